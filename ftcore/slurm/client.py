@@ -1,0 +1,92 @@
+"""The Slurm backend interface and its tested implementation over the Slurm CLI.
+
+A pyslurm backend can implement ``SlurmBackend`` later; none ships, since no
+pyslurm release matches the Slurm versions we can test against.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from typing import Mapping, Protocol, Sequence
+
+from ..errors import SlurmCommandError
+from ..ids import StepRef
+from . import commands, parse
+from .commands import StepSpec
+from .parse import JobInfo, NodeInfo, ReservationInfo, StepInfo
+
+log = logging.getLogger(__name__)
+
+
+class SlurmBackend(Protocol):
+    def job(self, job_id: str) -> JobInfo | None: ...
+    def nodes(self, names: tuple[str, ...] = ()) -> list[NodeInfo]: ...
+    def steps(self, job_id: str) -> list[StepInfo]: ...
+    def reservation(self, name: str) -> ReservationInfo | None: ...
+    def cancel_step(self, step: StepRef, signal: str | None = None) -> None: ...
+    def set_node_state(self, node: str, state: str, reason: str | None = None) -> None: ...
+    def launch_step(self, spec: StepSpec, env: Mapping[str, str] | None = None,
+                    stdout: int | None = None) -> subprocess.Popen[bytes]: ...
+
+
+class SlurmCli:
+    """Runs the Slurm commands; every call has a timeout; failures raise
+    ``SlurmCommandError`` (recoverable: the controller may just be busy)."""
+
+    def __init__(self, command_timeout: float = 30.0, env: Mapping[str, str] | None = None,
+                 prefix: Sequence[str] = ()) -> None:
+        self.command_timeout = command_timeout
+        self.env = dict(os.environ if env is None else env)
+        # e.g. ("nsenter", "--net=...") to reach a controller only a login node can see
+        self.prefix = tuple(prefix)
+
+    def run(self, argv: Sequence[str]) -> str:
+        try:
+            result = subprocess.run([*self.prefix, *argv], capture_output=True, text=True,
+                                    timeout=self.command_timeout, env=self.env)
+        except subprocess.TimeoutExpired:
+            raise SlurmCommandError(f"'{' '.join(argv)}' did not answer within "
+                                    f"{self.command_timeout} s",
+                                    hint="slurmctld may be overloaded; retry") from None
+        except FileNotFoundError:
+            raise SlurmCommandError(f"'{argv[0]}' not found on PATH",
+                                    hint="install the Slurm client commands") from None
+        if result.returncode != 0:
+            raise SlurmCommandError(f"'{' '.join(argv)}' failed (exit {result.returncode}): "
+                                    f"{result.stderr.strip() or result.stdout.strip()}")
+        return result.stdout
+
+    def job(self, job_id: str) -> JobInfo | None:
+        jobs = parse.parse_jobs(self.run(commands.show_job_argv(job_id)))
+        return jobs[0] if jobs else None
+
+    def nodes(self, names: tuple[str, ...] = ()) -> list[NodeInfo]:
+        return parse.parse_nodes(self.run(commands.show_nodes_argv(names)))
+
+    def steps(self, job_id: str) -> list[StepInfo]:
+        return parse.parse_steps(self.run(commands.list_steps_argv(job_id)))
+
+    def reservation(self, name: str) -> ReservationInfo | None:
+        try:
+            found = parse.parse_reservations(self.run(commands.show_reservation_argv(name)))
+        except SlurmCommandError:
+            return None
+        return found[0] if found else None
+
+    def cancel_step(self, step: StepRef, signal: str | None = None) -> None:
+        self.run(commands.scancel_step_argv(step, signal))
+
+    def set_node_state(self, node: str, state: str, reason: str | None = None) -> None:
+        log.info("scontrol: node %s -> %s (%s)", node, state, reason or "")
+        self.run(commands.update_node_argv(node, state, reason))
+
+    def launch_step(self, spec: StepSpec, env: Mapping[str, str] | None = None,
+                    stdout: int | None = None) -> subprocess.Popen[bytes]:
+        """Start ``srun`` for one step (not waited for: the caller supervises it)."""
+        argv = commands.srun_argv(spec)
+        log.info("launch: %s", " ".join(argv))
+        return subprocess.Popen([*self.prefix, *argv], env={**self.env, **(env or {})}, stdout=stdout,
+                                stderr=subprocess.STDOUT if stdout is not None else None,
+                                stdin=subprocess.DEVNULL)

@@ -1,0 +1,74 @@
+"""Allocation planning (pure): which nodes run which replica, which wait as standby,
+and the exact srun command of each replica step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftcore.config import JobConfig
+from ftcore.errors import UsageError
+from ftcore.slurm.commands import StepSpec, srun_argv
+
+#: Environment handed to each replica step (not config: runtime identity).
+ENV_REPLICA_ID = "FTLAUNCH_REPLICA_ID"
+ENV_NUM_REPLICAS = "FTLAUNCH_NUM_REPLICAS"
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    replica_id: int
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    job_id: str | None
+    replicas: tuple[ReplicaPlacement, ...]
+    standby: tuple[str, ...]
+    excluded: tuple[str, ...]          # e.g. the batch host, kept out of replicas
+    tasks_per_node: int
+    command: tuple[str, ...]
+
+    def step_spec(self, replica_id: int, extra_args: tuple[str, ...] = ()) -> StepSpec:
+        placement = self.replicas[replica_id]
+        return replica_step_spec(self, placement.nodes, replica_id, extra_args)
+
+    def srun_commands(self, extra_args: tuple[str, ...] = ()) -> list[list[str]]:
+        return [srun_argv(self.step_spec(r.replica_id, extra_args)) for r in self.replicas]
+
+
+def replica_step_spec(plan: LaunchPlan, nodes: tuple[str, ...], replica_id: int,
+                      extra_args: tuple[str, ...] = ()) -> StepSpec:
+    """The step of ``replica_id`` on ``nodes`` (its first nodes, or a promoted standby)."""
+    export = (f"--export=ALL,{ENV_REPLICA_ID}={replica_id},"
+              f"{ENV_NUM_REPLICAS}={len(plan.replicas)}")
+    return StepSpec(nodes=nodes, command=plan.command, tasks_per_node=plan.tasks_per_node,
+                    name=f"replica-{replica_id}", job_id=plan.job_id,
+                    extra_args=(export, *extra_args))
+
+
+def plan_allocation(nodes: tuple[str, ...], job: JobConfig, command: tuple[str, ...],
+                    *, job_id: str | None = None, batch_host: str | None = None) -> LaunchPlan:
+    """Split ``nodes`` into ``job.replicas`` replicas of ``job.nodes_per_replica``
+    consecutive nodes, then standby nodes. Surplus nodes join the standby pool."""
+    if not command:
+        raise UsageError("no training command given", hint="put it after '--', e.g. "
+                         "ft-launch plan -- python train.py")
+    if len(set(nodes)) != len(nodes):
+        raise UsageError(f"node list has duplicates: {', '.join(nodes)}")
+    excluded = (batch_host,) if job.exclude_batch_host and batch_host in nodes else ()
+    usable = [n for n in nodes if n not in excluded]
+    needed = job.replicas * job.nodes_per_replica + job.standby
+    if len(usable) < needed:
+        raise UsageError(
+            f"the allocation has {len(usable)} usable node(s) but {job.replicas} replica(s) x "
+            f"{job.nodes_per_replica} node(s) + {job.standby} standby need {needed}"
+            + (f" ({excluded[0]} is excluded as the batch host)" if excluded else ""),
+            hint=f"request at least {needed + len(excluded)} nodes (sbatch -N) or lower "
+                 "job.replicas / job.nodes_per_replica / job.standby")
+    size = job.nodes_per_replica
+    replicas = tuple(ReplicaPlacement(r, tuple(usable[r * size:(r + 1) * size]))
+                     for r in range(job.replicas))
+    standby = tuple(usable[job.replicas * size:])
+    return LaunchPlan(job_id=job_id, replicas=replicas, standby=standby, excluded=excluded,
+                      tasks_per_node=job.tasks_per_node, command=tuple(command))

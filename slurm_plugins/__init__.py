@@ -1,0 +1,2 @@
+"""Executables slurmd runs (Prolog, Epilog, HealthCheckProgram): thin, torch-free
+wrappers over ``health``."""

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install everything ft-launch's tests and demo need on a fresh Debian 12/13 machine
+# (as root). Idempotent: what is already there is not installed again.
+set -euo pipefail
+cd "$(dirname "$(readlink -f "$0")")/.."
+
+APT_PACKAGES=(slurmctld slurmd slurm-client munge mpich libmpich-dev iproute2 util-linux procps)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "bootstrap: apt-get install ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+export PIP_ROOT_USER_ACTION=ignore
+PY=${PYTHON:-python3}
+# torch: the CPU build from the local file (any other spec downloads gigabytes).
+"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
+# mpi4py's wheel does not load against Debian's MPICH: build it against libmpich-dev.
+"$PY" -c "from mpi4py import MPI" 2>/dev/null \
+  || "$PY" -m pip install -q --no-binary mpi4py mpi4py
+"$PY" -m pip install -q -e '.[test]'
+echo "bootstrap: ok ($("$PY" --version), $(slurmctld -V))"

@@ -1,0 +1,461 @@
+"""A real multi-node Slurm cluster on one machine, for tests and the demo.
+
+One network namespace per host: ``ftl-ctl`` holds a bridge and runs slurmctld
+(the "login node"); each compute node ``nK`` has its own namespace (and UTS
+namespace, so ``hostname`` is the node name), a veth into the bridge, an address
+of its own and one ``slurmd -N nK``. One munged with its own key and socket
+serves them all (a path-named unix socket crosses network namespaces).
+
+The root namespace gets no address in the cluster's subnet, only a blackhole
+route for it, so no test traffic can leave the machine.
+
+Everything lives in one state directory (``$FTL_CLUSTER_DIR``, default
+``<tmp>/ftl-slurm-cluster``); ``down`` stops the daemons it started, by the PIDs
+it recorded, ends what still runs in its namespaces, and removes what it made.
+Must run as root. Works with Slurm 22.05 (Debian 12) and 24.11 (Debian 13).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SUBNET = "10.77.0"
+CONTROLLER = "ftlctl"
+NETNS_PREFIX = "ftl-"
+BRIDGE = "ftlbr0"
+HOSTS_BEGIN = "# BEGIN ftl-slurm-cluster"
+HOSTS_END = "# END ftl-slurm-cluster"
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+DEFAULT_NODES = 6
+CPUS_PER_NODE = 2
+
+
+@dataclass
+class Hooks:
+    """Paths of the Slurm hook programs (empty: not configured)."""
+
+    prolog: str = ""
+    epilog: str = ""
+    healthcheck: str = ""
+    healthcheck_interval: int = 0
+    prolog_flags: str = ""
+
+
+@dataclass
+class ClusterState:
+    nodes: list[str]
+    pids: dict[str, int] = field(default_factory=dict)
+    hooks: Hooks = field(default_factory=Hooks)
+
+    @staticmethod
+    def load(path: Path) -> "ClusterState":
+        raw = json.loads(path.read_text())
+        return ClusterState(nodes=raw["nodes"], pids=raw["pids"], hooks=Hooks(**raw["hooks"]))
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, path)
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("FTL_CLUSTER_DIR")
+                or Path(tempfile.gettempdir()) / "ftl-slurm-cluster")
+
+
+def node_address(index: int) -> str:
+    return f"{SUBNET}.{10 + index}"
+
+
+def netns(host: str) -> str:
+    return NETNS_PREFIX + host
+
+
+def run(*argv: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=check, timeout=timeout, text=True,
+                          capture_output=True, **kw)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def slurm_conf(base: Path, nodes: list[str], hooks: Hooks) -> str:
+    """slurm.conf for the lab cluster (choices explained in shared/docs/slurm-lab.md)."""
+    lines = [
+        "ClusterName=ftl",
+        f"SlurmctldHost={CONTROLLER}({SUBNET}.1)",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        f"AuthInfo=socket={base}/munge/munge.socket",
+        f"StateSaveLocation={base}/state",
+        f"SlurmdSpoolDir={base}/spool/slurmd-%n",
+        f"SlurmctldPidFile={base}/run/slurmctld.pid",
+        f"SlurmdPidFile={base}/run/slurmd-%n.pid",
+        f"SlurmctldLogFile={base}/log/slurmctld.log",
+        f"SlurmdLogFile={base}/log/slurmd-%n.log",
+        "SlurmctldPort=6817",
+        "SlurmdPort=6818",
+        "SlurmdParameters=config_overrides",
+        "ProctrackType=proctrack/linuxproc",
+        # task/cgroup would pin every node's task 0 to CPU 0: all nodes share the cores.
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "SchedulerParameters=bf_interval=5,permit_job_expansion",
+        "ReturnToService=2",
+        "MpiDefault=none",
+        "MailProg=/bin/true",
+        # Fast failure detection for tests: a dead slurmd is DOWN in ~17 s.
+        "SlurmdTimeout=5",
+        "MessageTimeout=5",
+        "InactiveLimit=0",
+        "KillWait=2",
+        "MinJobAge=600",
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+    ]
+    if hooks.prolog:
+        lines.append(f"Prolog={hooks.prolog}")
+    if hooks.epilog:
+        lines.append(f"Epilog={hooks.epilog}")
+    if hooks.prolog_flags:
+        lines.append(f"PrologFlags={hooks.prolog_flags}")
+    if hooks.healthcheck:
+        lines.append(f"HealthCheckProgram={hooks.healthcheck}")
+        lines.append(f"HealthCheckInterval={hooks.healthcheck_interval or 60}")
+        lines.append("HealthCheckNodeState=ANY")
+    for index, node in enumerate(nodes, start=1):
+        lines.append(f"NodeName={node} NodeAddr={node_address(index)} NodeHostname={node} "
+                     f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN")
+    lines.append(f"PartitionName=main Nodes={','.join(nodes)} Default=YES "
+                 "MaxTime=INFINITE State=UP OverSubscribe=NO")
+    return "\n".join(lines) + "\n"
+
+
+def client_env(base: Path | None = None) -> dict[str, str]:
+    """Environment for Slurm client commands aimed at this cluster."""
+    base = base or state_dir()
+    env = dict(os.environ)
+    env["SLURM_CONF"] = str(base / "slurm.conf")
+    return env
+
+
+# --------------------------------------------------------------------------- bring-up
+
+
+def ensure_packages() -> None:
+    if shutil.which("slurmctld") and shutil.which("munged") and shutil.which("sbatch"):
+        return
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, timeout=600)
+    subprocess.run(["apt-get", "install", "-y", "-qq", *PACKAGES], check=True, env=env,
+                   timeout=900)
+
+
+def make_network(nodes: list[str]) -> None:
+    ctl = netns(CONTROLLER)
+    run("ip", "netns", "add", ctl)
+    run("ip", "-n", ctl, "link", "set", "lo", "up")
+    run("ip", "-n", ctl, "link", "add", BRIDGE, "type", "bridge")
+    run("ip", "-n", ctl, "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+    run("ip", "-n", ctl, "link", "set", BRIDGE, "up")
+    for index, node in enumerate(nodes, start=1):
+        ns = netns(node)
+        run("ip", "netns", "add", ns)
+        run("ip", "-n", ns, "link", "set", "lo", "up")
+        peer = f"ftlv{index}"
+        run("ip", "-n", ctl, "link", "add", peer, "type", "veth", "peer", "name", "eth0",
+            "netns", ns)
+        run("ip", "-n", ctl, "link", "set", peer, "master", BRIDGE)
+        run("ip", "-n", ctl, "link", "set", peer, "up")
+        run("ip", "-n", ns, "addr", "add", f"{node_address(index)}/24", "dev", "eth0")
+        run("ip", "-n", ns, "link", "set", "eth0", "up")
+    # Nothing in the root namespace may reach the lab subnet (no traffic leaves).
+    run("ip", "route", "replace", "blackhole", f"{SUBNET}.0/24", check=False)
+
+
+def write_hosts(nodes: list[str]) -> None:
+    entries = [f"{SUBNET}.1 {CONTROLLER}"]
+    entries += [f"{node_address(i)} {n}" for i, n in enumerate(nodes, start=1)]
+    remove_hosts()
+    with open("/etc/hosts", "a", encoding="utf-8") as hosts:
+        hosts.write("\n".join([HOSTS_BEGIN, *entries, HOSTS_END]) + "\n")
+
+
+def remove_hosts() -> None:
+    path = Path("/etc/hosts")
+    kept, inside = [], False
+    for line in path.read_text().splitlines():
+        if line == HOSTS_BEGIN:
+            inside = True
+        elif line == HOSTS_END:
+            inside = False
+        elif not inside:
+            kept.append(line)
+    # /etc/hosts may be a bind mount: rewrite in place rather than rename over it.
+    path.write_text("\n".join(kept) + "\n")
+
+
+def start_in_namespace(host: str, argv: list[str], log: Path) -> int:
+    """Start a daemon in ``host``'s network + its own UTS namespace; return its PID."""
+    script = f'hostname {host} && exec "$@"'
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            ["nsenter", f"--net=/run/netns/{netns(host)}", "unshare", "--uts",
+             "sh", "-c", script, "sh", *argv],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+    return proc.pid
+
+
+def start_munge(base: Path) -> int:
+    munge = base / "munge"
+    munge.mkdir(mode=0o711, exist_ok=True)
+    os.chmod(munge, 0o711)  # the socket's directory must be world-executable
+    key = munge / "munge.key"
+    if not key.exists():
+        key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+    log = base / "log" / "munged.log"
+    subprocess.run(["munged", "--force", f"--socket={munge}/munge.socket",
+                    f"--key-file={key}", f"--pid-file={munge}/munged.pid",
+                    f"--log-file={log}", f"--seed-file={munge}/munged.seed"],
+                   check=True, timeout=30, capture_output=True)
+    return int((munge / "munged.pid").read_text().split()[0])
+
+
+def up(nodes_count: int = DEFAULT_NODES, hooks: Hooks | None = None,
+       ready_timeout: float = 60) -> ClusterState:
+    """Bring the cluster up (idempotent: a running cluster is left as it is)."""
+    base = state_dir()
+    existing = current_state()
+    if existing is not None and all(pid_alive(p) for p in existing.pids.values()):
+        return existing
+    if existing is not None:
+        down()
+    ensure_packages()
+    nodes = [f"n{i}" for i in range(1, nodes_count + 1)]
+    state = ClusterState(nodes=nodes, hooks=hooks or Hooks())
+    for sub in ("state", "spool", "run", "log"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    (base / "slurm.conf").write_text(slurm_conf(base, nodes, state.hooks))
+    state.save(base / "cluster.json")  # before anything starts, so down() can clean up
+    make_network(nodes)
+    write_hosts(nodes)
+    state.pids["munged"] = start_munge(base)
+    conf = str(base / "slurm.conf")
+    state.pids["slurmctld"] = start_in_namespace(
+        CONTROLLER, ["slurmctld", "-D", "-i", "-f", conf], base / "log" / "slurmctld.out")
+    state.save(base / "cluster.json")
+    for node in nodes:
+        state.pids[node] = start_in_namespace(
+            node, ["slurmd", "-D", "-N", node, "-f", conf], base / "log" / f"slurmd-{node}.out")
+        state.save(base / "cluster.json")
+    wait_idle(nodes, ready_timeout)
+    return state
+
+
+def wait_idle(nodes: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        res = ctl_run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False, timeout=10)
+        states = dict(line.split() for line in res.stdout.splitlines() if line.strip())
+        if all(states.get(n) in ("idle", "alloc", "mix") for n in nodes):
+            return
+        last = res.stdout + res.stderr
+        time.sleep(0.2)  # polling a daemon's state with a deadline, not synchronisation
+    raise TimeoutError(f"Slurm nodes not idle after {timeout} s: {last.strip()}")
+
+
+def ctl_prefix() -> list[str]:
+    """Command prefix that runs a program on the login node (the controller namespace)."""
+    return ["nsenter", f"--net=/run/netns/{netns(CONTROLLER)}"]
+
+
+def ctl_run(argv: list[str], *, check: bool = True, timeout: float = 60,
+            **kw) -> subprocess.CompletedProcess:
+    """Run a command on the login node (the controller's namespace)."""
+    return subprocess.run([*ctl_prefix(), *argv], check=check, timeout=timeout, text=True, capture_output=True,
+                          env=kw.pop("env", client_env()), **kw)
+
+
+def configure(hooks: Hooks) -> ClusterState:
+    """Point the running cluster at new hook programs (``scontrol reconfigure``)."""
+    state = require_state()
+    state.hooks = hooks
+    base = state_dir()
+    (base / "slurm.conf").write_text(slurm_conf(base, state.nodes, hooks))
+    state.save(base / "cluster.json")
+    ctl_run(["scontrol", "reconfigure"], timeout=30)
+    return state
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def kill_node(node: str) -> list[int]:
+    """Crash a whole node: SIGKILL every process in its network namespace."""
+    pids = namespace_pids(node)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def revive_node(node: str) -> int:
+    state = require_state()
+    base = state_dir()
+    pid = start_in_namespace(node, ["slurmd", "-D", "-N", node, "-f", str(base / "slurm.conf")],
+                             base / "log" / f"slurmd-{node}.out")
+    state.pids[node] = pid
+    state.save(base / "cluster.json")
+    return pid
+
+
+def set_link(node: str, is_up: bool) -> None:
+    """Partition a node from the network (link down) or heal it."""
+    run("ip", "-n", netns(node), "link", "set", "eth0", "up" if is_up else "down")
+
+
+# --------------------------------------------------------------------------- teardown
+
+
+def namespace_pids(host: str) -> list[int]:
+    res = run("ip", "netns", "pids", netns(host), check=False)
+    return [int(p) for p in res.stdout.split()]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def current_state() -> ClusterState | None:
+    path = state_dir() / "cluster.json"
+    return ClusterState.load(path) if path.exists() else None
+
+
+def require_state() -> ClusterState:
+    state = current_state()
+    if state is None:
+        raise SystemExit(f"no cluster in {state_dir()}: run 'slurm-cluster up' first")
+    return state
+
+
+def down(keep_logs: bool = False) -> None:
+    state = current_state()
+    base = state_dir()
+    if state is None:
+        return
+    hosts = [CONTROLLER, *state.nodes]
+    # Everything in our namespaces was started by this cluster (daemons, job tasks).
+    victims = set(state.pids.values())
+    for host in hosts:
+        victims.update(namespace_pids(host))
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(pid_alive(p) for p in victims):
+        time.sleep(0.05)
+    for pid in victims:
+        if pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for host in hosts:
+        run("ip", "netns", "del", netns(host), check=False)
+    run("ip", "route", "del", "blackhole", f"{SUBNET}.0/24", check=False)
+    remove_hosts()
+    if keep_logs:
+        (base / "cluster.json").unlink(missing_ok=True)
+    else:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def status() -> str:
+    state = current_state()
+    if state is None:
+        return f"down (no cluster in {state_dir()})"
+    lines = [f"state dir: {state_dir()}", f"SLURM_CONF={state_dir() / 'slurm.conf'}"]
+    for name, pid in state.pids.items():
+        lines.append(f"{name:10s} pid {pid:7d} {'running' if pid_alive(pid) else 'DEAD'}")
+    res = ctl_run(["sinfo", "-N", "-o", "%N %t %E"], check=False, timeout=15)
+    lines.append(res.stdout.rstrip() or res.stderr.rstrip())
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="slurm-cluster",
+        description="Bring a multi-node Slurm cluster up on this machine (one network "
+                    "namespace per node), or down. Run as root.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="install Slurm+munge if missing, start ctld + N slurmd")
+    p_up.add_argument("--nodes", type=int, default=DEFAULT_NODES)
+    p_down = sub.add_parser("down", help="stop every daemon and remove namespaces and files")
+    p_down.add_argument("--keep-logs", action="store_true")
+    sub.add_parser("status", help="daemons and node states")
+    sub.add_parser("env", help="print the export line for Slurm clients")
+    p_exec = sub.add_parser("exec", help="run a command on the login node (controller netns)")
+    p_exec.add_argument("argv", nargs=argparse.REMAINDER)
+    p_conf = sub.add_parser("configure", help="set Prolog/Epilog/HealthCheckProgram")
+    for hook in ("prolog", "epilog", "healthcheck", "prolog-flags"):
+        p_conf.add_argument(f"--{hook}", default="")
+    p_conf.add_argument("--healthcheck-interval", type=int, default=0)
+    for verb in ("kill-node", "revive-node", "partition", "heal"):
+        sub.add_parser(verb).add_argument("node")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        parser.error("must run as root (network namespaces, daemons)")
+    if args.command == "up":
+        state = up(args.nodes)
+        print(f"up: {len(state.nodes)} nodes {','.join(state.nodes)}; "
+              f"export SLURM_CONF={state_dir() / 'slurm.conf'}")
+    elif args.command == "down":
+        down(args.keep_logs)
+    elif args.command == "status":
+        print(status())
+    elif args.command == "env":
+        print(f"export SLURM_CONF={state_dir() / 'slurm.conf'}")
+    elif args.command == "exec":
+        cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        return subprocess.call([*ctl_prefix(), *cmd], env=client_env())
+    elif args.command == "configure":
+        configure(Hooks(args.prolog, args.epilog, args.healthcheck,
+                        args.healthcheck_interval, args.prolog_flags))
+    elif args.command == "kill-node":
+        print(" ".join(map(str, kill_node(args.node))))
+    elif args.command == "revive-node":
+        print(revive_node(args.node))
+    elif args.command in ("partition", "heal"):
+        set_link(args.node, args.command == "heal")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Shared fixtures. The real Slurm cluster starts once per session, only when a test
+marked ``slurm`` asks for it; a cluster already up (started by .ci/run) is reused
+and left running."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ftcore.slurm.client import SlurmCli
+from tests.cluster import labcluster
+from tests.waiting import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class LabCluster:
+    """Handle on the running lab cluster for tests."""
+
+    nodes: list[str]
+    slurm: SlurmCli  # client commands run on the login node (controller namespace)
+
+    def sbatch(self, script: Path, *args: str) -> str:
+        out = labcluster.ctl_run(["sbatch", "--parsable", *args, str(script)], timeout=30,
+                                 cwd=script.parent)
+        return out.stdout.strip().split(";")[0]
+
+    def cancel(self, job_id: str) -> None:
+        labcluster.ctl_run(["scancel", job_id], check=False, timeout=30)
+
+    def job_state(self, job_id: str) -> str:
+        job = self.slurm.job(job_id)
+        return job.state.value if job else "GONE"
+
+    def wait_job_done(self, job_id: str, timeout: float = 120) -> str:
+        return wait_until(lambda: (s := self.job_state(job_id)) not in
+                          ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") and s,
+                          timeout, f"job {job_id} to end")
+
+    def ensure_node_up(self, node: str, timeout: float = 90) -> None:
+        """Bring a node back after a fault test and wait until Slurm can use it."""
+        state = labcluster.current_state()
+        if state is not None and not labcluster.pid_alive(state.pids.get(node, -1)):
+            labcluster.revive_node(node)
+        labcluster.set_link(node, True)
+
+        def usable() -> bool:
+            (info,) = self.slurm.nodes((node,))
+            if info.state.value == "DOWN" or info.drained:
+                self.slurm.set_node_state(node, "resume")
+                return False
+            return info.state.value in ("IDLE", "MIXED", "ALLOCATED") and \
+                "NOT_RESPONDING" not in info.flags
+        wait_until(usable, timeout, f"node {node} back in service", interval=0.5)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[LabCluster]:
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm lab cluster needs root (network namespaces, daemons)")
+    already_up = labcluster.current_state() is not None
+    state = labcluster.up()
+    cluster = LabCluster(nodes=state.nodes, slurm=SlurmCli(env=labcluster.client_env(),
+                                                           prefix=labcluster.ctl_prefix()))
+    try:
+        yield cluster
+    finally:
+        if not already_up:
+            labcluster.down(keep_logs=False)
+

@@ -1,0 +1,31 @@
+"""A stand-in replica task for Slurm tests: records where it ran, optionally waits
+for a release file (bounded), then records that it finished."""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+parser = argparse.ArgumentParser()
+parser.add_argument("outdir", type=Path)
+parser.add_argument("--wait-for", type=Path)
+parser.add_argument("--timeout", type=float, default=120)
+args = parser.parse_args()
+
+replica = os.environ.get("FTLAUNCH_REPLICA_ID", "?")
+rank = os.environ.get("SLURM_PROCID", "0")
+record = {"replica": replica, "rank": rank, "host": socket.gethostname(),
+          "job": os.environ.get("SLURM_JOB_ID"), "step": os.environ.get("SLURM_STEP_ID"),
+          "pid": os.getpid()}
+tag = f"replica-{replica}-rank-{rank}"
+(args.outdir / f"{tag}.started").write_text(json.dumps(record))
+if args.wait_for is not None:
+    deadline = time.monotonic() + args.timeout
+    while not args.wait_for.exists():
+        if time.monotonic() > deadline:
+            sys.exit(3)
+        time.sleep(0.05)
+(args.outdir / f"{tag}.finished").write_text(json.dumps(record))

@@ -1,0 +1,73 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ftcore.config import JobConfig
+from ftcore.errors import UsageError
+from launcher.plan import plan_allocation
+
+NODES = tuple(f"n{i}" for i in range(1, 9))
+
+
+def test_plan_splits_replicas_then_standby():
+    job = JobConfig(replicas=3, nodes_per_replica=2, standby=1)
+    plan = plan_allocation(NODES[:7], job, ("python", "train.py"), job_id="5")
+    assert [r.nodes for r in plan.replicas] == [("n1", "n2"), ("n3", "n4"), ("n5", "n6")]
+    assert plan.standby == ("n7",)
+    commands = plan.srun_commands()
+    assert len(commands) == 3
+    assert "--nodelist=n[3-4]" in commands[1] and "--jobid=5" in commands[1]
+    assert any("FTLAUNCH_REPLICA_ID=1" in arg for arg in commands[1])
+    assert commands[2][-2:] == ["python", "train.py"]
+
+
+def test_surplus_nodes_join_standby_and_batch_host_excluded():
+    job = JobConfig(replicas=2, nodes_per_replica=2, standby=1, exclude_batch_host=True)
+    plan = plan_allocation(NODES, job, ("x",), batch_host="n1")
+    assert plan.excluded == ("n1",)
+    assert [r.nodes for r in plan.replicas] == [("n2", "n3"), ("n4", "n5")]
+    assert plan.standby == ("n6", "n7", "n8")
+
+
+@pytest.mark.parametrize("nodes, job, command, message", [
+    (NODES[:5], JobConfig(replicas=3, nodes_per_replica=2), ("x",), "need 6"),
+    (NODES, JobConfig(), (), "no training command"),
+    (("n1", "n1"), JobConfig(replicas=1), ("x",), "duplicates"),
+])
+def test_plan_rejects_bad_input(nodes, job, command, message):
+    with pytest.raises(UsageError, match=message):
+        plan_allocation(nodes, job, command)
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def test_cli_plan_prints_exact_commands():
+    result = run_cli("plan", "--nodelist", "n[1-7]", "--replicas", "3", "--nodes-per-replica",
+                     "2", "--standby", "1", "--json", "--", "python", "train.py")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["standby"] == ["n7"]
+    assert plan["srun"][0][:2] == ["srun", "--exact"]
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--nodelist", "n[1-5]", "--replicas", "3", "--nodes-per-replica", "2"], 2, "need 6"),
+    (["--nodelist", "n[1-"], 2, "bad hostlist"),
+    (["--nodelist", "n[1-4]", "--nodes-per-replica", "0"], 78, "at least 1"),
+    ([], 2, "not inside a Slurm allocation"),
+])
+def test_cli_plan_bad_input(args, code, message):
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SLURM_")}
+    result = run_cli("plan", *args, "--", "python", "train.py", env=env)
+    assert result.returncode == code
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_help():
+    result = run_cli("--help")
+    assert result.returncode == 0 and "plan" in result.stdout and "Exit codes" in result.stdout
