@@ -20,9 +20,10 @@ import enum
 import os
 import tomllib
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .errors import ConfigError
 from .files import atomic_write_text

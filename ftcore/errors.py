@@ -53,7 +53,7 @@ class ErrorContext:
                  if getattr(self, f.name) is not None]
         return " ".join(parts)
 
-    def merged(self, **ids: Any) -> "ErrorContext":
+    def merged(self, **ids: Any) -> ErrorContext:
         known = {f.name: getattr(self, f.name) for f in fields(self)}
         known.update({k: v for k, v in ids.items() if v is not None})
         return ErrorContext(**known)
@@ -83,7 +83,7 @@ class FtError(Exception):
             text = f"{text}; {self.hint}"
         return text
 
-    def with_ids(self, **ids: Any) -> "FtError":
+    def with_ids(self, **ids: Any) -> FtError:
         """Add ids learnt higher up the stack, keeping the original class."""
         self.context = self.context.merged(**ids)
         self.args = (self._render(),)

@@ -12,11 +12,12 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
-_REGISTRY: dict[str, type["Event"]] = {}
+_REGISTRY: dict[str, type[Event]] = {}
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class EventLog:
         with self._lock:
             self._handle.close()
 
-    def __enter__(self) -> "EventLog":
+    def __enter__(self) -> EventLog:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,8 +12,8 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Sequence
 
 from ftcore.config import Config, load_config
 from ftcore.errors import ExitCode, FtError, TerminalAbort
@@ -99,8 +99,8 @@ def command_plan(args: argparse.Namespace, config: Config) -> int:
 
 def render_plan(plan: LaunchPlan, extra_args: tuple[str, ...] = ()) -> str:
     nodes = [n for r in plan.replicas for n in r.nodes] + list(plan.standby)
-    lines = [f"ft-launch plan: job {plan.job_id or '(none: --nodelist)'}, "
-             f"{len(plan.replicas)} replica(s) on {compress(nodes)}"]
+    lines = [(f"ft-launch plan: job {plan.job_id or '(none: --nodelist)'}, "
+              f"{len(plan.replicas)} replica(s) on {compress(nodes)}")]
     for replica in plan.replicas:
         lines.append(f"  replica {replica.replica_id:<3d} {compress(replica.nodes)}")
     lines.append(f"  standby     {compress(plan.standby) or '-'}")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..errors import UsageError
 from .hostlist import expand
@@ -21,7 +21,7 @@ class Allocation:
     submit_dir: str | None
 
     @staticmethod
-    def from_env(env: Mapping[str, str]) -> "Allocation":
+    def from_env(env: Mapping[str, str]) -> Allocation:
         """Read the allocation of the job this process runs in.
 
         Raises ``UsageError`` outside an allocation (no ``SLURM_JOB_ID``).

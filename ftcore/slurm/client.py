@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-from typing import Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from ..errors import SlurmCommandError
 from ..ids import StepRef
@@ -29,6 +30,11 @@ class SlurmBackend(Protocol):
     def set_node_state(self, node: str, state: str, reason: str | None = None) -> None: ...
     def launch_step(self, spec: StepSpec, env: Mapping[str, str] | None = None,
                     stdout: int | None = None) -> subprocess.Popen[bytes]: ...
+    def create_reservation(self, name: str, nodes: tuple[str, ...], duration_minutes: int,
+                           users: tuple[str, ...], flags: tuple[str, ...] = ()) -> None: ...
+    def update_reservation(self, name: str, nodes: tuple[str, ...]) -> None: ...
+    def delete_reservation(self, name: str) -> None: ...
+    def resize_job(self, job_id: str, num_nodes: int) -> None: ...
 
 
 class SlurmCli:
@@ -44,7 +50,7 @@ class SlurmCli:
 
     def run(self, argv: Sequence[str]) -> str:
         try:
-            result = subprocess.run([*self.prefix, *argv], capture_output=True, text=True,
+            result = subprocess.run([*self.prefix, *argv], capture_output=True, text=True, check=False,
                                     timeout=self.command_timeout, env=self.env)
         except subprocess.TimeoutExpired:
             raise SlurmCommandError(f"'{' '.join(argv)}' did not answer within "
@@ -90,3 +96,16 @@ class SlurmCli:
         return subprocess.Popen([*self.prefix, *argv], env={**self.env, **(env or {})}, stdout=stdout,
                                 stderr=subprocess.STDOUT if stdout is not None else None,
                                 stdin=subprocess.DEVNULL)
+
+    def create_reservation(self, name: str, nodes: tuple[str, ...], duration_minutes: int,
+                           users: tuple[str, ...], flags: tuple[str, ...] = ()) -> None:
+        self.run(commands.create_reservation_argv(name, nodes, duration_minutes, users, flags))
+
+    def update_reservation(self, name: str, nodes: tuple[str, ...]) -> None:
+        self.run(commands.update_reservation_argv(name, nodes))
+
+    def delete_reservation(self, name: str) -> None:
+        self.run(commands.delete_reservation_argv(name))
+
+    def resize_job(self, job_id: str, num_nodes: int) -> None:
+        self.run(commands.resize_job_argv(job_id, num_nodes))

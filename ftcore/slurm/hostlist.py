@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..errors import UsageError
 
@@ -63,12 +63,10 @@ def _bad(expression: str, problem: str) -> UsageError:
 def compress(names: Iterable[str]) -> str:
     """Compress names into a hostlist expression (inverse of ``expand`` up to order)."""
     groups: dict[tuple[str, int], list[int]] = {}
-    plain: list[str] = []
     order: list[tuple[str, int] | str] = []
     for name in names:
         match = re.match(r"^(.*?)(\d+)$", name)
         if not match:
-            plain.append(name)
             order.append(name)
             continue
         prefix, digits = match.groups()
@@ -79,12 +77,12 @@ def compress(names: Iterable[str]) -> str:
             order.append(key)
         groups[key].append(int(digits))
     parts: list[str] = []
-    for key in order:
-        if isinstance(key, str):
-            parts.append(key)
+    for entry in order:
+        if isinstance(entry, str):
+            parts.append(entry)
             continue
-        prefix, width = key
-        numbers = sorted(set(groups[key]))
+        prefix, width = entry
+        numbers = sorted(set(groups[entry]))
         if len(numbers) == 1:
             parts.append(f"{prefix}{numbers[0]:0{width}d}")
             continue
@@ -93,14 +91,12 @@ def compress(names: Iterable[str]) -> str:
 
 
 def _runs(numbers: list[int], width: int) -> list[str]:
-    runs: list[str] = []
-    start = prev = numbers[0]
-    for number in numbers[1:] + [None]:  # type: ignore[list-item]
-        if number is not None and number == prev + 1:
-            prev = number
-            continue
-        runs.append(f"{start:0{width}d}" if start == prev
-                    else f"{start:0{width}d}-{prev:0{width}d}")
-        if number is not None:
-            start = prev = number
-    return runs
+    """Sorted distinct numbers -> ``["1-3", "7"]``."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return [f"{lo:0{width}d}" if lo == hi else f"{lo:0{width}d}-{hi:0{width}d}"
+            for lo, hi in runs]

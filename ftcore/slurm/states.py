@@ -35,7 +35,7 @@ class JobState(enum.Enum):
     UNKNOWN = "UNKNOWN"
 
     @classmethod
-    def parse(cls, text: str) -> "JobState":
+    def parse(cls, text: str) -> JobState:
         # squeue prints e.g. "CANCELLED by 0"; 24.11 JSON gives a list of names.
         word = text.split()[0].upper() if text.strip() else "UNKNOWN"
         return cls.__members__.get(word, cls.UNKNOWN)
@@ -53,7 +53,7 @@ class NodeState(enum.Enum):
     UNKNOWN = "UNKNOWN"
 
     @classmethod
-    def parse(cls, text: str) -> "NodeState":
+    def parse(cls, text: str) -> NodeState:
         word = text.strip().upper()
         return {"ALLOC": cls.ALLOCATED, "MIX": cls.MIXED, "COMP": cls.COMPLETING}.get(
             word, cls.__members__.get(word, cls.UNKNOWN))

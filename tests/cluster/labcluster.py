@@ -58,7 +58,7 @@ class ClusterState:
     hooks: Hooks = field(default_factory=Hooks)
 
     @staticmethod
-    def load(path: Path) -> "ClusterState":
+    def load(path: Path) -> ClusterState:
         raw = json.loads(path.read_text())
         return ClusterState(nodes=raw["nodes"], pids=raw["pids"], hooks=Hooks(**raw["hooks"]))
 
@@ -345,7 +345,10 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:  # exited between the two looks
+        return False
 
 
 def current_state() -> ClusterState | None:

@@ -1,9 +1,14 @@
 import pytest
 
-from ftcore.errors import (ExitCode, FatalError, NodeUnhealthyError, RecoverableError,
-                           TerminalAbort, exit_code_for)
-from ftcore.slurm.states import (JOB_DISPOSITION, Disposition, JobState, NodeState,
-                                 node_disposition)
+from ftcore.errors import (
+    ExitCode,
+    FatalError,
+    NodeUnhealthyError,
+    RecoverableError,
+    TerminalAbort,
+    exit_code_for,
+)
+from ftcore.slurm.states import JOB_DISPOSITION, Disposition, JobState, NodeState, node_disposition
 
 
 def test_error_carries_ids_and_hint():

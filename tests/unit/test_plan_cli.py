@@ -43,7 +43,7 @@ def test_plan_rejects_bad_input(nodes, job, command, message):
 
 def run_cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True,
-                          text=True, timeout=60, env=env)
+                          text=True, timeout=60, env=env, check=False)
 
 
 def test_cli_plan_prints_exact_commands():

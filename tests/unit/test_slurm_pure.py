@@ -86,6 +86,14 @@ def test_parse_nodes_22_05_with_spaces_in_values():
     assert all(n.address.startswith("10.77.0.") for n in all_nodes)
 
 
+def test_parse_dead_node_22_05():
+    (n6,) = parse.parse_nodes((V22 / "scontrol_show_node_down.txt").read_text())
+    assert n6.state is NodeState.DOWN and "NOT_RESPONDING" in n6.flags
+    assert n6.reason.startswith("Not responding")
+    nodes = {n.name: n for n in parse.parse_sinfo_json((V22 / "sinfo_down.json").read_text())}
+    assert nodes["n6"].state is NodeState.DOWN and nodes["n1"].state is not NodeState.DOWN
+
+
 def test_parse_steps_and_reservation_22_05():
     steps = parse.parse_steps((V22 / "squeue_steps.txt").read_text())
     by_id = {s.step.step_id: s for s in steps}
