@@ -71,3 +71,15 @@ def test_cli_plan_bad_input(args, code, message):
 def test_cli_help():
     result = run_cli("--help")
     assert result.returncode == 0 and "plan" in result.stdout and "Exit codes" in result.stdout
+
+
+def test_cli_standby_size():
+    result = run_cli("standby-size", "--machines", "1000", "--daily-failure-rate", "0.002",
+                     "--window", "24")
+    assert result.returncode == 0, result.stderr
+    from launcher.ettr import standby_size
+    expected = standby_size(1000, 0.002, 24)
+    assert f"hold {expected} warm standby" in result.stdout
+    assert "ETTR gained per standby node" in result.stdout
+    bad = run_cli("standby-size", "--machines", "0", "--daily-failure-rate", "0.1", "--window", "1")
+    assert bad.returncode == 2 and "--machines" in bad.stderr
