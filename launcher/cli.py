@@ -152,12 +152,12 @@ def command_standby_size(args: argparse.Namespace, config: Config) -> int:
                                 seed=0)
     cost = RecoveryCost(stall=args.stall, degraded=args.rejoin,
                         fallback_degraded=args.reschedule)
-    lines = [f"P{args.percentile * 100:g} of concurrent failures in a {args.window:g} h window "
-             f"on {args.machines} machines: {recommended} -> hold {recommended} warm standby "
-             "node(s)",
-             f"ETTR over 30 simulated days ({len(failures)} failures, {replicas} replicas, "
-             f"stall {args.stall:g} s, rejoin {args.rejoin:g} s, reschedule "
-             f"{args.reschedule:g} s):",
+    lines = [(f"P{args.percentile * 100:g} of concurrent failures in a {args.window:g} h "
+              f"window on {args.machines} machines: {recommended} -> hold {recommended} warm "
+              "standby node(s)"),
+             (f"ETTR over 30 simulated days ({len(failures)} failures, {replicas} replicas, "
+              f"stall {args.stall:g} s, rejoin {args.rejoin:g} s, reschedule "
+              f"{args.reschedule:g} s):"),
              "  standby    ETTR     fallbacks (no standby free)"]
     ettr = {}
     for count in sorted({0, recommended // 4, recommended // 2, 3 * recommended // 4,

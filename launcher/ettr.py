@@ -18,8 +18,8 @@ from __future__ import annotations
 import enum
 import math
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 
 class Strategy(enum.Enum):
@@ -66,7 +66,8 @@ def periodic_failures(interval: float, horizon: float, first: float | None = Non
 def poisson_failures(rate_per_s: float, horizon: float, seed: int) -> list[float]:
     """Failure times of a Poisson process (``rate_per_s`` = machines x per-machine rate)."""
     rng = random.Random(seed)
-    times, now = [], 0.0
+    times: list[float] = []
+    now = 0.0
     while True:
         now += rng.expovariate(rate_per_s)
         if now >= horizon:
@@ -138,7 +139,7 @@ def _capacity_integral(stalls: list[tuple[float, float]], degraded: list[tuple[f
 
 def window_failure_probability(daily_rate: float, window_hours: float) -> float:
     """Probability one machine fails within the replenish window."""
-    return 1.0 - (1.0 - daily_rate) ** (window_hours / 24.0)
+    return float(1.0 - (1.0 - daily_rate) ** (window_hours / 24.0))
 
 
 def binomial_quantile(n: int, p: float, quantile: float) -> int:

@@ -2,8 +2,15 @@
 
 import pytest
 
-from launcher.ettr import (JobModel, RecoveryCost, binomial_quantile, periodic_failures,
-                           poisson_failures, simulate, standby_size)
+from launcher.ettr import (
+    JobModel,
+    RecoveryCost,
+    binomial_quantile,
+    periodic_failures,
+    poisson_failures,
+    simulate,
+    standby_size,
+)
 
 MIN = 60.0
 HORIZON = 100 * 18 * MIN
