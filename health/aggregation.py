@@ -1,0 +1,185 @@
+"""Stack-trace aggregation and over-eviction (pure), after ByteRobust.
+
+1. Normalise each training process's main-thread stack: our frames only
+   (library frames such as ``zmq`` polls or ``threading`` waits are dropped, so
+   a wait that is sampled in ``poll`` or in ``recv`` reads the same), no line
+   numbers.
+2. Group identical stacks; the largest group is taken as healthy; every other
+   process is an outlier, and so is any stopped or unreadable process. When two
+   groups tie for largest there is no healthy majority to compare against (a
+   sample taken mid-step): only stopped or unreadable processes count, and the
+   aggregation says it is ambiguous (the caller samples again).
+3. Map the outliers onto the parallel groups of the topology (node, TP, PP, DP,
+   replica) and pick the group holding the most outliers, the smallest such
+   group on a tie: its nodes are evicted together (over-eviction: healthy
+   machines of that group go too, which is cheaper than finding the root cause).
+
+Fail-slow: run the aggregation once per round; the group chosen in most
+rounds is the one to evict (``FailSlowVote``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .stacks import ProcessStack, ThreadStack
+
+GROUP_KINDS = ("node", "tp", "pp", "replica", "dp")   # preference on a tie, smallest first
+LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one training process sits in the parallel layout."""
+
+    rank: int
+    node: str
+    replica_id: int
+    dp_group: int = 0
+    tp_group: int = 0
+    pp_group: int = 0
+
+
+@dataclass(frozen=True, order=True)
+class GroupKey:
+    kind: str
+    id: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.id}"
+
+
+@dataclass(frozen=True)
+class StackGroup:
+    signature: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    groups: tuple[StackGroup, ...]      # largest first; groups[0] is the healthy one
+    outliers: tuple[int, ...]
+    ambiguous: bool = False             # the largest groups tie: no healthy reference
+
+    @property
+    def majority(self) -> bool:
+        """Whether the healthy group holds more than half of the ranks."""
+        total = sum(len(g.ranks) for g in self.groups)
+        return bool(self.groups) and not self.ambiguous and 2 * len(self.groups[0].ranks) > total
+
+
+@dataclass(frozen=True)
+class EvictionDecision:
+    group: GroupKey
+    nodes: tuple[str, ...]
+    ranks: tuple[int, ...]              # every rank of the evicted group
+    outliers: tuple[int, ...]
+    covers_all: bool                    # False: some outliers lie outside the group
+
+    def describe(self) -> str:
+        return (f"evict {self.group} (nodes {','.join(self.nodes)}): outlier ranks "
+                f"{list(self.outliers)}{'' if self.covers_all else ' (partly)'}")
+
+
+def is_library(file: str) -> bool:
+    return any(marker in file for marker in LIBRARY_MARKERS)
+
+
+def main_thread(stack: ProcessStack) -> ThreadStack | None:
+    return next((t for t in stack.threads if t.main), stack.threads[0] if stack.threads else None)
+
+
+def signature(stack: ProcessStack) -> str:
+    """The normalised main-thread stack, outermost call first."""
+    if stack.error:
+        return f"<unreadable: {stack.error}>"
+    thread = main_thread(stack)
+    if thread is None:
+        return "<no threads>"
+    frames = [f for f in thread.frames if not is_library(f.file)] or list(thread.frames[:1])
+    return " > ".join(f"{f.function}@{f.file.rsplit('/', 1)[-1]}" for f in reversed(frames))
+
+
+def aggregate(stacks: Mapping[int, ProcessStack]) -> Aggregation:
+    """Group ranks by stack; outliers are every rank outside the largest group,
+    plus stopped or unreadable processes wherever they fall."""
+    by_signature: dict[str, list[int]] = {}
+    for rank in sorted(stacks):
+        by_signature.setdefault(signature(stacks[rank]), []).append(rank)
+    groups = sorted((StackGroup(sig, tuple(ranks)) for sig, ranks in by_signature.items()),
+                    key=lambda g: (-len(g.ranks), g.signature))
+    ambiguous = len(groups) > 1 and len(groups[0].ranks) == len(groups[1].ranks)
+    healthy = set(groups[0].ranks) if groups and not ambiguous else set(stacks)
+    outliers = {rank for rank in stacks if rank not in healthy
+                or stacks[rank].stopped or stacks[rank].error}
+    return Aggregation(tuple(groups), tuple(sorted(outliers)), ambiguous)
+
+
+def parallel_groups(topology: Iterable[RankPlace]) -> dict[GroupKey, list[RankPlace]]:
+    groups: dict[GroupKey, list[RankPlace]] = {}
+    for place in topology:
+        keys = (GroupKey("node", place.node), GroupKey("tp", str(place.tp_group)),
+                GroupKey("pp", str(place.pp_group)), GroupKey("replica", str(place.replica_id)),
+                GroupKey("dp", str(place.dp_group)))
+        for key in keys:
+            groups.setdefault(key, []).append(place)
+    return groups
+
+
+def choose_eviction(outliers: Iterable[int],
+                    topology: Sequence[RankPlace]) -> EvictionDecision | None:
+    """The parallel group with the most outliers (the smallest one on a tie)."""
+    wanted = set(outliers)
+    if not wanted:
+        return None
+    best: tuple[tuple[int, int, int], GroupKey, list[RankPlace]] | None = None
+    for key, members in parallel_groups(topology).items():
+        count = sum(1 for p in members if p.rank in wanted)
+        if not count:
+            continue
+        nodes = len({p.node for p in members})
+        score = (count, -nodes, -GROUP_KINDS.index(key.kind))
+        if best is None or score > best[0]:
+            best = (score, key, members)
+    if best is None:
+        return None
+    _, key, members = best
+    ranks = tuple(sorted(p.rank for p in members))
+    return EvictionDecision(key, tuple(sorted({p.node for p in members})), ranks,
+                            tuple(sorted(wanted)), covers_all=wanted <= set(ranks))
+
+
+def diagnose(stacks: Mapping[int, ProcessStack],
+             topology: Sequence[RankPlace]) -> tuple[Aggregation, EvictionDecision | None]:
+    found = aggregate(stacks)
+    return found, choose_eviction(found.outliers, topology)
+
+
+class FailSlowVote:
+    """ByteRobust's fail-slow rule: each round marks the group with the most
+    outliers; after the rounds, the group marked most (the latest on a tie) is the
+    degraded one.
+
+    Only rounds in which a majority of ranks share the healthy stack mark a group:
+    a sample taken early in a step finds healthy ranks busy as well, and its
+    "outliers" are mostly healthy (measured in benchmarks/detection_bench.py).
+    """
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[Aggregation, EvictionDecision | None]] = []
+
+    def add(self, found: Aggregation, decision: EvictionDecision | None) -> None:
+        self.rounds.append((found, decision))
+
+    def usable(self) -> list[EvictionDecision | None]:
+        return [decision for found, decision in self.rounds if found.majority]
+
+    def winner(self) -> EvictionDecision | None:
+        marked = [d for d in self.usable() if d is not None]
+        if not marked:
+            return None
+        counts = Counter(d.group for d in marked)
+        top = max(counts.values())
+        return next(d for d in reversed(marked) if counts[d.group] == top)

@@ -1,0 +1,135 @@
+"""Training-metric anomalies (pure): NaN / Inf, a loss or grad-norm spike of
+``factor`` x over a moving baseline, and fail-slow (step time up, or throughput
+down, against a longer baseline).
+
+Baselines are medians over a window: one outlier neither triggers nor hides the
+next. A spiking value is not added to the baseline, so a run of spikes keeps
+being reported against the healthy level.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+
+class AnomalyKind(enum.Enum):
+    NAN_LOSS = "nan_loss"
+    INF_LOSS = "inf_loss"
+    NAN_GRAD = "nan_grad"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_SPIKE = "grad_spike"
+    FAIL_SLOW = "fail_slow"              # step time up
+    THROUGHPUT_DROP = "throughput_drop"  # tokens (or samples) per second down
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    kind: AnomalyKind
+    step: int
+    value: float
+    baseline: float | None = None
+
+    def describe(self) -> str:
+        base = "" if self.baseline is None else f" (baseline {self.baseline:.4g})"
+        return f"{self.kind.value} at step {self.step}: {self.value:.4g}{base}"
+
+
+class SpikeDetector:
+    """``value > factor * median(last window)`` after ``warmup`` values."""
+
+    def __init__(self, factor: float = 5.0, window: int = 20, warmup: int = 5) -> None:
+        self.factor = factor
+        self.warmup = warmup
+        self._history: deque[float] = deque(maxlen=window)
+
+    def observe(self, value: float) -> float | None:
+        """The baseline when ``value`` spikes, else None (and ``value`` joins the baseline)."""
+        if len(self._history) >= self.warmup:
+            baseline = statistics.median(self._history)
+            if baseline > 0 and value > self.factor * baseline:
+                return baseline
+        self._history.append(value)
+        return None
+
+
+class SlowdownDetector:
+    """Fail-slow: the median of the last ``recent`` values exceeds ``factor`` times the
+    median of the ``window`` before them. Reports once per episode."""
+
+    def __init__(self, factor: float = 1.5, window: int = 20, recent: int = 5) -> None:
+        self.factor = factor
+        self.recent = recent
+        self._baseline: deque[float] = deque(maxlen=window)
+        self._recent: deque[float] = deque(maxlen=recent)
+        self._slow = False
+
+    def observe(self, value: float) -> tuple[float, float] | None:
+        """(recent median, baseline median) when a slowdown starts, else None."""
+        if len(self._recent) == self.recent:
+            self._baseline.append(self._recent[0])
+        self._recent.append(value)
+        if len(self._baseline) < self.recent or len(self._recent) < self.recent:
+            return None
+        now, before = statistics.median(self._recent), statistics.median(self._baseline)
+        slow = now > self.factor * before
+        started, self._slow = slow and not self._slow, slow
+        if slow:
+            self._baseline.pop()  # keep the slow values out of the healthy baseline
+        return (now, before) if started else None
+
+
+@dataclass(frozen=True)
+class AnomalySettings:
+    spike_factor: float = 5.0
+    window: int = 20
+    warmup: int = 5
+    slow_factor: float = 1.5
+    slow_recent: int = 5
+
+
+class MetricAnomalyDetector:
+    """All metric detectors of one rank (or of the job, fed with job-level values)."""
+
+    def __init__(self, settings: AnomalySettings = AnomalySettings()) -> None:
+        s = settings
+        self.loss = SpikeDetector(s.spike_factor, s.window, s.warmup)
+        self.grad = SpikeDetector(s.spike_factor, s.window, s.warmup)
+        self.step_time = SlowdownDetector(s.slow_factor, s.window, s.slow_recent)
+        self.seconds_per_token = SlowdownDetector(s.slow_factor, s.window, s.slow_recent)
+
+    def observe(self, step: int, loss: float | None, grad_norm: float | None = None,
+                step_time: float | None = None,
+                throughput: float | None = None) -> list[Anomaly]:
+        found: list[Anomaly] = []
+        if loss is not None:
+            found += self._value(step, loss, self.loss, AnomalyKind.LOSS_SPIKE, loss_kind=True)
+        if grad_norm is not None:
+            found += self._value(step, grad_norm, self.grad, AnomalyKind.GRAD_SPIKE,
+                                 loss_kind=False)
+        if step_time is not None and math.isfinite(step_time):
+            slow = self.step_time.observe(step_time)
+            if slow is not None:
+                found.append(Anomaly(AnomalyKind.FAIL_SLOW, step, slow[0], slow[1]))
+        if throughput is not None and throughput > 0 and math.isfinite(throughput):
+            # A drop in throughput is a rise in its inverse: one detector serves both.
+            drop = self.seconds_per_token.observe(1.0 / throughput)
+            if drop is not None:
+                found.append(Anomaly(AnomalyKind.THROUGHPUT_DROP, step, 1.0 / drop[0],
+                                     1.0 / drop[1]))
+        return found
+
+    @staticmethod
+    def _value(step: int, value: float, spikes: SpikeDetector, spike_kind: AnomalyKind,
+               *, loss_kind: bool) -> list[Anomaly]:
+        if math.isnan(value):
+            return [Anomaly(AnomalyKind.NAN_LOSS if loss_kind else AnomalyKind.NAN_GRAD, step,
+                            value)]
+        if math.isinf(value):
+            return [Anomaly(AnomalyKind.INF_LOSS if loss_kind else AnomalyKind.NAN_GRAD, step,
+                            value)]
+        baseline = spikes.observe(abs(value))
+        return [] if baseline is None else [Anomaly(spike_kind, step, value, baseline)]

@@ -1,0 +1,61 @@
+"""Slurm ``Epilog=``: after a job, the ``epilog`` profile; after a failed job, the
+deeper ``epilog_failure`` profile.
+
+The compute-node Epilog is not told how the job ended (SLURM_JOB_EXIT_CODE is
+for EpilogSlurmctld only), so it asks slurmctld (``scontrol show job``): the
+batch script's ``ExitCode`` and the steps' ``DerivedExitCode`` are final by
+then. When slurmctld cannot say, the deeper profile runs: a slower epilog is
+cheaper than a sick node taking the next job.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+
+from ftcore.errors import SlurmCommandError
+from ftcore.slurm.client import SlurmCli
+from ftcore.slurm.commands import show_job_argv
+from ftcore.slurm.parse import parse_records
+from health.settings import HealthSettings
+
+from .hook import HookEnv, run_hook
+
+log = logging.getLogger(__name__)
+
+PROFILE_OK = "epilog"
+PROFILE_FAILED = "epilog_failure"
+BAD_STATES = ("FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def ended_badly(record: Mapping[str, str]) -> bool:
+    """Pure: did the job described by this ``scontrol show job -o`` record fail?"""
+    codes = [record.get("ExitCode", "0:0"), record.get("DerivedExitCode", "0:0")]
+    for code in codes:
+        status, _, signal = code.partition(":")
+        if status not in ("", "0") or signal not in ("", "0"):
+            return True
+    return any(state in record.get("JobState", "") for state in BAD_STATES)
+
+
+def choose_profile(env: HookEnv, settings: HealthSettings, slurm: SlurmCli) -> str:
+    if env.job_id is None:
+        return PROFILE_FAILED
+    try:
+        records = parse_records(slurm.run(show_job_argv(env.job_id)))
+    except SlurmCommandError as exc:
+        log.warning("job %s: cannot tell how it ended (%s): deeper checks", env.job_id, exc)
+        return PROFILE_FAILED
+    record = next((r for r in records if r.get("JobId") == env.job_id), None)
+    if record is None:
+        return PROFILE_FAILED
+    return PROFILE_FAILED if ended_badly(record) else PROFILE_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_hook("epilog", choose_profile, job_ended=True, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
