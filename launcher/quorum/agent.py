@@ -1,0 +1,259 @@
+"""``QuorumAgent``: the thread-safe handle a replica (or the benchmark) uses.
+
+One agent per replica, in its rank-0 process or beside it. The agent owns a
+``QuorumNode`` on an ``AgentLoop`` thread (its own, or one shared with other
+agents) and turns the node's answers into futures, errors and events.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Self
+
+from ftcore.config import QuorumConfig
+from ftcore.errors import ConfigError
+from ftcore.events import Event, EventLog
+
+from .directory import PeerDirectory, StaticDirectory
+from .errors import QuorumStoppedError, QuorumTimeoutError
+from .loop import AgentLoop
+from .model import Health, Quorum, QuorumParams
+from .node import QuorumNode, QuorumStats, QuorumStatus
+
+log = logging.getLogger(__name__)
+
+Subscriber = Callable[[Event], None]
+
+
+class QuorumAgent:
+    """A member of the replica quorum.
+
+    ``replica_ids`` is the job's configured replica set (from the launcher);
+    ``directory`` is where agents publish and find addresses (a mapping of
+    ``replica_id -> address`` is taken as a static directory); ``secret`` is the
+    per-job secret (``ftcore.ids.new_job_secret()``) that authenticates every
+    message. ``incarnation`` must grow when a replica is replaced (default: the
+    wall clock in ns at construction). ``electable=False`` makes a member that
+    votes and joins but never stands for leader.
+    """
+
+    def __init__(self, replica_id: int, replica_ids: Iterable[int],
+                 directory: PeerDirectory | Mapping[int, str], secret: str,
+                 config: QuorumConfig | None = None, *, job_id: str = "",
+                 host: str = "127.0.0.1", incarnation: int | None = None,
+                 loop: AgentLoop | None = None, event_log: EventLog | None = None,
+                 seed: int | None = None, max_message_age: float = 30.0,
+                 electable: bool = True) -> None:
+        self.config = config or QuorumConfig()
+        for key, problem in self.config.problems():
+            raise ConfigError(f"{problem} (got {getattr(self.config, key)!r})",
+                              key=f"quorum.{key}")
+        voters = frozenset(replica_ids)
+        if replica_id not in voters:
+            raise ConfigError(f"replica {replica_id} is not among the configured replicas "
+                              f"{sorted(voters)}")
+        self.replica_id = replica_id
+        self.job_id = job_id
+        self._own_loop = loop is None
+        self._loop = loop or AgentLoop(name=f"quorum-{replica_id}")
+        if isinstance(directory, Mapping):
+            directory = StaticDirectory(directory)
+        self._node = QuorumNode(
+            replica_id=replica_id, replica_ids=voters, directory=directory,
+            codec=self._loop.codec(secret, job_id),
+            params=QuorumParams.from_config(self.config, len(voters)), host=host,
+            port=self.config.port, incarnation=incarnation or time.time_ns(),
+            seed=random.SystemRandom().getrandbits(62) if seed is None else seed,
+            on_answer=self._on_answer, max_age=max_message_age, electable=electable)
+        self._event_log = event_log
+        self._lock = threading.Lock()
+        self._subscribers: list[Subscriber] = []
+        self._waiter: Future[Quorum] | None = None  # touched on the loop thread only
+        self._running = False
+        self._stopped = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def bind(self) -> str:
+        """Bind and publish the address without taking part yet (optional: lets a
+        launcher gather every address before any election starts)."""
+        if not self._node.address:
+            if self._own_loop:
+                self._loop.start()
+            self._loop.call(lambda: self._node.bind(self._loop))
+        return self._node.address
+
+    def start(self) -> Self:
+        """Bind if needed, then start taking part in elections and quorums."""
+        if self._running:
+            return self
+        if self._stopped:
+            raise QuorumStoppedError("a stopped quorum agent cannot start again",
+                                     hint="create a new agent (with a higher incarnation)")
+        self.bind()
+        if self._event_log is not None:
+            self._node.emit = self._emit
+        self._loop.call(self._node.begin)
+        self._running = True
+        return self
+
+    def stop(self) -> None:
+        """Leave: close the sockets; a caller waiting in ``get_quorum`` gets
+        ``QuorumStoppedError``. The others notice within their timeouts."""
+        if not self._node.address or self._stopped:
+            return
+        self._stopped = True
+        self._running = False
+        if self._loop.running:
+            self._loop.call(self._close_on_loop)
+        if self._own_loop:
+            self._loop.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> str:
+        """The ZeroMQ endpoint this agent receives on."""
+        return self._node.address
+
+    @property
+    def incarnation(self) -> int:
+        return self._node.incarnation
+
+    @property
+    def default_timeout(self) -> float:
+        """Long enough for one join window plus a leader failover."""
+        c = self.config
+        return c.join_timeout + c.member_timeout + 4 * c.election_timeout
+
+    # ------------------------------------------------------------------ the per-step call
+    def request_quorum(self, next_step: int, *, health: Health | str = Health.OK,
+                       address: str | None = None) -> Future[Quorum]:
+        """Ask for the quorum of ``next_step`` without waiting. A newer request
+        replaces an unanswered older one (whose future is cancelled)."""
+        self._check_running()
+        future: Future[Quorum] = Future()
+        health = Health(health)
+        advertised = address or self.address
+        self._loop.call_soon(lambda: self._begin(future, next_step, advertised, health))
+        return future
+
+    def get_quorum(self, next_step: int, *, health: Health | str = Health.OK,
+                   address: str | None = None, timeout: float | None = None) -> Quorum:
+        """Join the quorum for ``next_step`` and wait for the leader's answer.
+
+        Raises ``QuorumTimeoutError`` (retry), ``MajorityLostError`` (this replica
+        is cut off or the majority is gone) or ``QuorumStoppedError``.
+        """
+        limit = self.default_timeout if timeout is None else timeout
+        future = self.request_quorum(next_step, health=health, address=address)
+        try:
+            return future.result(limit)
+        except FutureTimeout:
+            raise QuorumTimeoutError(
+                f"no quorum within {limit:.1f}s",
+                hint="an election may be in progress or too few replicas joined; retry",
+                replica_id=self.replica_id, step=next_step) from None
+        except CancelledError:
+            raise QuorumTimeoutError("superseded by a newer quorum request",
+                                     replica_id=self.replica_id, step=next_step) from None
+
+    def report_commit_failure(self) -> None:
+        """The last step's commit failed here: the next quorum gets a new id."""
+        self._check_running()
+        self._loop.call_soon(self._node.report_commit_failure)
+
+    def transfer_leadership(self, to: int) -> None:
+        """If this agent leads, hand leadership to replica ``to`` (one vote
+        round instead of a failover, e.g. before draining this node)."""
+        self._check_running()
+        self._loop.call_soon(lambda: self._node.transfer_leadership(to))
+
+    # ------------------------------------------------------------------ observing
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call ``callback(event)`` for each quorum event, on the agent's loop
+        thread (keep it short). Returns a function that unsubscribes."""
+        with self._lock:
+            self._subscribers.append(callback)
+        self._node.emit = self._emit
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+        return unsubscribe
+
+    def status(self) -> QuorumStatus:
+        return self._node.status()
+
+    def stats(self) -> QuorumStats:
+        return self._node.stats()
+
+    # ------------------------------------------------------------------ fault injection
+    def drop_traffic(self, peers: Iterable[int]) -> None:
+        """FAULT INJECTION: drop every message to and from ``peers`` (a network
+        partition, for tests and drills); counted as ``dropped_by_fault``."""
+        blocked = frozenset(peers)
+        self._loop.call(lambda: setattr(self._node, "blocked", blocked))
+
+    def restore_traffic(self) -> None:
+        self.drop_traffic(())
+
+    # ------------------------------------------------------------------ loop thread
+    def _begin(self, future: Future[Quorum], next_step: int, address: str,
+               health: Health) -> None:
+        if not self._running:
+            _settle(future, QuorumStoppedError("the quorum agent is stopped",
+                                               replica_id=self.replica_id))
+            return
+        old, self._waiter = self._waiter, future
+        if old is not None:
+            old.cancel()
+        self._node.request(next_step, address, health)
+
+    def _on_answer(self, result: Quorum | BaseException) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            _settle(waiter, result)
+
+    def _close_on_loop(self) -> None:
+        self._node.close()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            _settle(waiter, QuorumStoppedError("the quorum agent was stopped",
+                                               replica_id=self.replica_id))
+
+    def _emit(self, event: Event) -> None:
+        if self._event_log is not None:
+            self._event_log.emit(event)
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            try:
+                callback(event)
+            except Exception:
+                log.exception("quorum event subscriber %r failed on %s", callback, event)
+
+    def _check_running(self) -> None:
+        if not self._running:
+            raise QuorumStoppedError("the quorum agent is not running",
+                                     hint="call start() first", replica_id=self.replica_id)
+
+
+def _settle(future: Future[Quorum], outcome: Quorum | BaseException) -> None:
+    """Complete ``future`` unless its caller gave up on it (loop thread only)."""
+    if future.done() or not future.set_running_or_notify_cancel():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

@@ -1,0 +1,214 @@
+"""Quorum formation: the leader's rounds and the member's side of them.
+
+The leader collects joins for a round. It forms the quorum as soon as every
+member it believes alive has joined (the fast path: everyone present), or when
+the join window (``join_timeout``) has expired, and only with at least
+``min_replicas`` admitted members and a strict majority of the configured
+replicas (a minority can never form one, so two quorums cannot coexist).
+
+``quorum_id`` changes exactly when the membership changes (a replica joined,
+left, or came back at a new address) or a member reports a failed commit, and
+one id always names one membership, even across leaders (see ``next_quorum_id``).
+
+All functions are pure: ``(state, ..., now) -> (state, actions)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from .model import Health, JoinRequested, Quorum, QuorumAnnounced, QuorumMember, Role, evolve
+from .state import (
+    NEVER,
+    Action,
+    DeliverQuorum,
+    Membership,
+    NotifyQuorumFormed,
+    QuorumRequested,
+    QuorumState,
+    Round,
+    Send,
+)
+
+Outcome = tuple[QuorumState, list[Action]]
+
+#: Quorum ids that a leader of term T creates start at (T - 1) * stride + 1.
+QUORUM_ID_STRIDE = 1_000_000_000
+
+# --------------------------------------------------------------------------- leader side
+
+
+def on_join(s: QuorumState, sender: int, join: JoinRequested, now: float) -> Outcome:
+    if s.role is not Role.LEADER:
+        return s, []  # the member re-sends to whoever it learns is leader
+    lead = s.leadership
+    if join.join_seq <= lead.answered_seq.get(sender, -1):
+        # A re-sent join we already answered: the answer was probably lost.
+        last = lead.last_announce
+        if last is not None and last.answered.get(sender) == join.join_seq and sender != s.me:
+            return s, [Send((sender,), last)]
+        return s, []
+    current = lead.round or Round(opened_at=now, joins={})
+    joins = dict(current.joins)
+    joins[sender] = join
+    s = evolve(s, leadership=evolve(lead, round=Round(current.opened_at, joins)))
+    return try_form(s, now)
+
+
+def try_form(s: QuorumState, now: float) -> Outcome:
+    lead = s.leadership
+    current = lead.round
+    if s.role is not Role.LEADER or current is None:
+        return s, []
+    expired = now >= current.opened_at + s.params.join_timeout
+    # Cheap test first: the subset test only runs once the count can match,
+    # which keeps a 1,000-member round linear rather than quadratic.
+    if not expired and (len(current.joins) < len(lead.live)
+                        or not lead.live.issubset(current.joins)):
+        return s, []
+    needed = max(s.params.min_replicas, s.majority)
+    if len(current.joins) < needed:
+        return s, []
+    horizon = now - s.params.member_timeout
+    joined = {m: j for m, j in current.joins.items()
+              if m == s.me or s.heard.get(m, NEVER) > horizon}
+    admitted = sum(1 for j in joined.values() if j.health is not Health.UNHEALTHY)
+    if admitted < needed:
+        return s, []
+    return form(s, joined, now)
+
+
+def form(s: QuorumState, joined: Mapping[int, JoinRequested], now: float) -> Outcome:
+    lead = s.leadership
+    opened_at = lead.round.opened_at if lead.round is not None else now
+    admitted = {m: j for m, j in joined.items() if j.health is not Health.UNHEALTHY}
+    members = tuple(QuorumMember(m, j.next_step, j.address, j.health)
+                    for m, j in sorted(admitted.items()))
+    quorum_id = next_quorum_id(previous_quorum(s), members, admitted.values(), s.term)
+    quorum = Quorum.of(quorum_id, members, term=s.term, leader_id=s.me)
+    answered = {m: j.join_seq for m, j in joined.items()}
+    announce = QuorumAnnounced(s.term, quorum, answered)
+    answered_seq = {**lead.answered_seq, **answered}
+    s = evolve(s, leadership=evolve(lead, round=None, answered_seq=answered_seq,
+                                      last_announce=announce, last_formed=quorum))
+    actions: list[Action] = [NotifyQuorumFormed(quorum, now - opened_at)]
+    recipients = tuple(m for m in sorted(joined) if m != s.me)
+    if recipients:
+        actions.append(Send(recipients, announce))
+    if s.me in joined:
+        s, more = on_announce(s, announce)
+        actions += more
+    return s, actions
+
+
+def previous_quorum(s: QuorumState) -> Quorum | None:
+    """The newest quorum this replica knows: one it formed or one it received."""
+    known = [q for q in (s.leadership.last_formed, s.member.last_quorum) if q is not None]
+    return max(known, key=lambda q: q.quorum_id, default=None)
+
+
+def next_quorum_id(previous: Quorum | None, members: tuple[QuorumMember, ...],
+                   joins: Iterable[JoinRequested], term: int) -> int:
+    """Keep the id iff nothing changed; otherwise one more than the newest seen,
+    and at least the first id of this leader's term.
+
+    A member that reports an older id than the newest missed that quorum (it was
+    not in it, or its answer was lost), so for it the membership did change.
+
+    Why a range per term: a deposed leader that has not heard of its successor
+    yet may still form a quorum from joins sent to it earlier, and some of its
+    members may still accept it; the successor cannot know that quorum's id.
+    Ids from disjoint ranges keep "one id, one membership", so the all-reduce
+    handshake (which compares quorum ids) turns the stale members away.
+    """
+    joins = list(joins)
+    latest = max([previous.quorum_id if previous else 0]
+                 + [j.last_quorum_id for j in joins])
+    unchanged = (previous is not None and previous.quorum_id == latest
+                 and previous.membership() == frozenset((m.replica_id, m.address)
+                                                        for m in members)
+                 and all(j.last_quorum_id == latest for j in joins)
+                 and not any(j.commit_failed for j in joins))
+    return latest if unchanged else max(latest + 1, (term - 1) * QUORUM_ID_STRIDE + 1)
+
+
+# --------------------------------------------------------------------------- member side
+
+
+def request_quorum(s: QuorumState, request: QuorumRequested, now: float) -> Outcome:
+    m = s.member
+    last = m.last_quorum.quorum_id if m.last_quorum is not None else 0
+    seq = m.join_seq + 1
+    join = JoinRequested(s.term, request.next_step, request.address, request.health,
+                         last, seq, m.commit_failed)
+    s = evolve(s, member=evolve(m, request=join, join_seq=seq, commit_failed=False,
+                                  sent_to=None, sent_at=NEVER))
+    return send_request(s, now)
+
+
+def report_commit_failure(s: QuorumState, now: float) -> Outcome:
+    m = s.member
+    if m.request is None:
+        return evolve(s, member=evolve(m, commit_failed=True)), []
+    # Already waiting: amend the bid under a new join_seq so that an answer to
+    # the unamended bid (maybe already in flight) is not taken for this one.
+    seq = m.join_seq + 1
+    join = evolve(m.request, commit_failed=True, join_seq=seq)
+    s = evolve(s, member=evolve(m, request=join, join_seq=seq, sent_to=None))
+    return send_request(s, now)
+
+
+def send_request(s: QuorumState, now: float) -> Outcome:
+    m = s.member
+    leader = s.leader_id
+    if m.request is None or leader is None:
+        return s, []
+    join = evolve(m.request, term=s.term)
+    s = evolve(s, member=evolve(m, request=join, sent_to=leader, sent_at=now))
+    if leader == s.me:
+        return on_join(s, s.me, join, now)
+    return s, [Send((leader,), join)]
+
+
+def on_announce(s: QuorumState, announce: QuorumAnnounced) -> Outcome:
+    m = s.member
+    if m.request is None or announce.answered.get(s.me) != m.request.join_seq:
+        return s, []
+    s = evolve(s, member=Membership(join_seq=m.join_seq, commit_failed=m.commit_failed,
+                                     last_quorum=announce.quorum))
+    return s, [DeliverQuorum(announce.quorum)]
+
+
+# --------------------------------------------------------------------------- timers
+
+
+def on_timer(s: QuorumState, now: float) -> Outcome:
+    """Leader: close an expired window. Member: re-send an unanswered bid (the
+    leader answers a duplicate of an answered bid by repeating its answer)."""
+    actions: list[Action] = []
+    if s.role is Role.LEADER and s.leadership.round is not None:
+        s, actions = try_form(s, now)
+    if now >= _resend_at(s):
+        s, more = send_request(s, now)
+        actions += more
+    return s, actions
+
+
+def _resend_at(s: QuorumState) -> float:
+    m = s.member
+    if m.request is None or s.leader_id is None or s.leader_id == s.me:
+        return float("inf")
+    return m.sent_at + s.params.join_timeout
+
+
+def formation_deadline(s: QuorumState, now: float) -> float:
+    """The next instant after ``now`` at which ``on_timer`` has something to do.
+    An expired window that could not form waits for joins or the next heartbeat
+    tick (which refreshes the live set), not for a timer of its own."""
+    deadline = _resend_at(s)
+    current = s.leadership.round
+    if s.role is Role.LEADER and current is not None:
+        closes = current.opened_at + s.params.join_timeout
+        if closes > now:
+            deadline = min(deadline, closes)
+    return deadline

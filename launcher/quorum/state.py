@@ -1,0 +1,230 @@
+"""The pure core's vocabulary: its state, the events it reacts to, the actions it asks for.
+
+``decide(state, event, now) -> (state, actions)`` (in ``core``) is the only thing
+that changes a ``QuorumState``; the shell performs the actions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .model import (
+    Health,
+    JoinFailure,
+    JoinRequested,
+    Message,
+    Quorum,
+    QuorumAnnounced,
+    QuorumParams,
+    Role,
+)
+
+NEVER = -math.inf
+
+# --------------------------------------------------------------------------- events (inputs)
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    """Time has passed; the shell sends it at ``next_deadline(state)``."""
+
+
+@dataclass(frozen=True)
+class MessageReceived:
+    """An authenticated, non-replayed message from a configured replica."""
+
+    sender: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class QuorumRequested:
+    """The local replica asks to join the quorum for ``next_step``."""
+
+    next_step: int
+    address: str
+    health: Health = Health.OK
+
+
+@dataclass(frozen=True)
+class CommitFailureReported:
+    """The local replica's last commit failed: the next quorum gets a new id."""
+
+
+@dataclass(frozen=True)
+class LeadershipTransferRequested:
+    """Hand leadership to ``target`` (ignored unless this replica leads)."""
+
+    target: int
+
+
+Input = (TimerFired | MessageReceived | QuorumRequested | CommitFailureReported |
+         LeadershipTransferRequested)
+
+# --------------------------------------------------------------------------- actions (outputs)
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send one message (signed once) to each replica in ``to``."""
+
+    to: tuple[int, ...]
+    message: Message
+
+
+@dataclass(frozen=True)
+class DeliverQuorum:
+    """Answer the local quorum request."""
+
+    quorum: Quorum
+
+
+@dataclass(frozen=True)
+class FailQuorumRequest:
+    reason: JoinFailure
+    reachable: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NotifyLeaderElected:
+    term: int
+    leader_id: int
+
+
+@dataclass(frozen=True)
+class NotifyLeadershipLost:
+    term: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class NotifyQuorumFormed:
+    quorum: Quorum
+    #: How long the join window was open (first join of the round -> formed).
+    window: float = 0.0
+
+
+@dataclass(frozen=True)
+class NotifyLivenessChanged:
+    """The leader's view of which members are alive changed."""
+
+    lost: tuple[int, ...]
+    recovered: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NotifyMajorityLost:
+    reachable: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NotifyMajorityRegained:
+    leader_id: int
+
+
+Action = (Send | DeliverQuorum | FailQuorumRequest | NotifyLeaderElected |
+          NotifyLeadershipLost | NotifyQuorumFormed | NotifyLivenessChanged |
+          NotifyMajorityLost | NotifyMajorityRegained)
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class Election:
+    """Raft's election state (no log: the quorum is recomputed every step)."""
+
+    role: Role = Role.FOLLOWER
+    term: int = 0
+    voted_for: int | None = None
+    leader_id: int | None = None
+    #: The leader whose silence started the current election: a new leader
+    #: presumes every member alive except this one and the known suspects.
+    previous_leader: int | None = None
+    #: Last valid contact with a leader (for a leader: when it took office).
+    leader_seen_at: float = NEVER
+    had_leader: bool = False
+    deadline: float = 0.0
+    draws: int = 0
+    votes: frozenset[int] = frozenset()
+    heartbeat_due: float = 0.0
+    acked_at: float = NEVER
+    suspects: frozenset[int] = frozenset()
+    majority_lost: bool = False
+
+
+@dataclass(frozen=True)
+class Round:
+    """Joins the leader has collected since the window opened."""
+
+    opened_at: float
+    joins: Mapping[int, JoinRequested]
+
+
+@dataclass(frozen=True)
+class Leadership:
+    """What only the leader keeps."""
+
+    live: frozenset[int] = frozenset()
+    round: Round | None = None
+    #: Highest join_seq answered per member: a late resend of an answered join
+    #: must not linger in the next round as a member that is not waiting.
+    answered_seq: Mapping[int, int] = field(default_factory=dict)
+    last_announce: QuorumAnnounced | None = None
+    last_formed: Quorum | None = None
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The local replica's side: its outstanding request and last quorum."""
+
+    request: JoinRequested | None = None
+    sent_at: float = NEVER
+    sent_to: int | None = None
+    join_seq: int = 0
+    commit_failed: bool = False
+    last_quorum: Quorum | None = None
+
+
+@dataclass(frozen=True)
+class QuorumState:
+    me: int
+    voters: frozenset[int]
+    params: QuorumParams
+    seed: int
+    started_at: float
+    #: False: votes and joins but never campaigns (MongoDB's priority-0 member),
+    #: for replicas that should not carry the leader.
+    electable: bool = True
+    election: Election = field(default_factory=Election)
+    #: Last authenticated message from each peer (any kind counts as alive).
+    heard: Mapping[int, float] = field(default_factory=dict)
+    leadership: Leadership = field(default_factory=Leadership)
+    member: Membership = field(default_factory=Membership)
+
+    @property
+    def others(self) -> tuple[int, ...]:
+        return tuple(sorted(self.voters - {self.me}))
+
+    @property
+    def majority(self) -> int:
+        return len(self.voters) // 2 + 1
+
+    @property
+    def role(self) -> Role:
+        return self.election.role
+
+    @property
+    def term(self) -> int:
+        return self.election.term
+
+    @property
+    def leader_id(self) -> int | None:
+        return self.election.leader_id
+
+    def fresh(self, now: float) -> frozenset[int]:
+        """Members heard from within ``member_timeout``, this one included."""
+        horizon = now - self.params.member_timeout
+        return frozenset(p for p, t in self.heard.items()
+                         if t > horizon and p in self.voters) | {self.me}

@@ -1,0 +1,193 @@
+"""The agent shell in one process (threads, real sockets on loopback)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ftcore.config import QuorumConfig
+from ftcore.errors import ConfigError
+from ftcore.events import EventLog, read_events
+from ftcore.ids import new_job_secret
+from launcher.quorum import (
+    AgentLoop,
+    LeaderElected,
+    QuorumAgent,
+    QuorumFormed,
+    QuorumJoined,
+    QuorumStoppedError,
+    QuorumTimeoutError,
+    Role,
+    StaticDirectory,
+)
+from tests.waiting import wait_until
+
+from .helpers import FAST_CONFIG
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def trio() -> Iterator[list[QuorumAgent]]:
+    directory = StaticDirectory()
+    secret = new_job_secret()
+    agents = [QuorumAgent(r, range(3), directory, secret, FAST_CONFIG, job_id="t").start()
+              for r in range(3)]
+    yield agents
+    for agent in agents:
+        agent.stop()
+
+
+def one_round(agents: list[QuorumAgent], step: int) -> list:
+    futures = [a.request_quorum(step) for a in agents]
+    return [f.result(10) for f in futures]
+
+
+def leader_of(agents: list[QuorumAgent]) -> int:
+    def agreed() -> int | None:
+        views = {a.status().leader_id for a in agents}
+        return views.pop() if len(views) == 1 and None not in views else None
+    found = wait_until(lambda: agreed() is not None, 10, "a leader everyone follows")
+    assert found
+    leader = agreed()
+    assert leader is not None
+    return leader
+
+
+def test_three_agents_agree(trio: list[QuorumAgent]) -> None:
+    quorums = one_round(trio, 5)
+    assert len(set(quorums)) == 1
+    quorum = quorums[0]
+    assert quorum.replica_ids == (0, 1, 2) and quorum.max_step == 5
+    assert [m.address for m in quorum.members] == [a.address for a in trio]
+    again = one_round(trio, 6)
+    assert again[0].quorum_id == quorum.quorum_id  # nobody changed
+    assert trio[0].stats()["sent"] > 0
+
+
+def test_commit_failure_bumps_the_quorum_id(trio: list[QuorumAgent]) -> None:
+    first = one_round(trio, 1)[0]
+    trio[1].report_commit_failure()
+    second = one_round(trio, 1)[0]
+    third = one_round(trio, 2)[0]
+    assert second.quorum_id == first.quorum_id + 1
+    assert third.quorum_id == second.quorum_id
+
+
+def test_events_reach_subscribers_and_the_event_log(tmp_path: Path) -> None:
+    directory = StaticDirectory()
+    secret = new_job_secret()
+    log = EventLog(tmp_path / "events.jsonl")
+    seen: list[object] = []
+    agents = [QuorumAgent(r, range(2), directory, secret, FAST_CONFIG,
+                          event_log=log if r == 0 else None) for r in range(2)]
+    try:
+        agents[1].subscribe(seen.append)
+        for agent in agents:
+            agent.start()
+        one_round(agents, 3)
+        wait_until(lambda: any(isinstance(e, QuorumJoined) for e in seen), 5, "an event")
+    finally:
+        for agent in agents:
+            agent.stop()
+        log.close()
+    kinds = {type(e) for e in seen}
+    assert {LeaderElected, QuorumJoined} <= kinds
+    logged = list(read_events(tmp_path / "events.jsonl"))
+    assert any(isinstance(e, QuorumJoined) and e.members == [0, 1] for e in logged)
+    formed = [e for e in logged + seen if isinstance(e, QuorumFormed)]
+    assert len(formed) == 1 and formed[0].members == [0, 1]
+
+
+def test_a_subscriber_that_raises_does_not_stop_the_agent(trio: list[QuorumAgent]) -> None:
+    def broken(event: object) -> None:
+        raise RuntimeError("subscriber bug")
+    trio[0].subscribe(broken)
+    assert one_round(trio, 1)[0].replica_ids == (0, 1, 2)
+
+
+def test_no_quorum_in_time_raises_a_recoverable_timeout() -> None:
+    agent = QuorumAgent(0, range(3), StaticDirectory(), new_job_secret(), FAST_CONFIG).start()
+    try:
+        with pytest.raises(QuorumTimeoutError) as caught:
+            agent.get_quorum(1, timeout=0.3)
+        assert caught.value.context.replica_id == 0 and caught.value.context.step == 1
+    finally:
+        agent.stop()
+
+
+def test_stop_fails_the_waiting_caller_and_later_calls() -> None:
+    agent = QuorumAgent(0, range(3), StaticDirectory(), new_job_secret(), FAST_CONFIG).start()
+    future = agent.request_quorum(1)
+    agent.stop()
+    with pytest.raises(QuorumStoppedError):
+        future.result(5)
+    with pytest.raises(QuorumStoppedError):
+        agent.get_quorum(2, timeout=1)
+    with pytest.raises(QuorumStoppedError):
+        agent.start()
+
+
+def test_newer_request_supersedes_the_unanswered_one() -> None:
+    agent = QuorumAgent(0, range(3), StaticDirectory(), new_job_secret(), FAST_CONFIG).start()
+    try:
+        old = agent.request_quorum(1)
+        agent.request_quorum(2)
+        wait_until(old.cancelled, 5, "the older request to be cancelled")
+    finally:
+        agent.stop()
+
+
+def test_leadership_transfer(trio: list[QuorumAgent]) -> None:
+    leader = leader_of(trio)
+    target = (leader + 1) % 3
+    trio[leader].transfer_leadership(target)
+    wait_until(lambda: leader_of(trio) == target, 10, "the hand-over")
+    assert trio[target].status().role is Role.LEADER
+    assert one_round(trio, 1)[0].leader_id == target
+
+
+def test_invalid_setups_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="not among the configured replicas"):
+        QuorumAgent(5, range(3), {}, new_job_secret())
+    with pytest.raises(ConfigError, match="quorum.election_timeout"):
+        QuorumAgent(0, range(3), {}, new_job_secret(),
+                    QuorumConfig(heartbeat_interval=1.0, election_timeout=0.5))
+
+
+class _BrokenNode:
+    """A hosted node whose every step raises (a bug), beside a healthy agent."""
+
+    def __init__(self, loop: AgentLoop) -> None:
+        self.socket = loop.context.socket(zmq.PULL)
+        self.socket.bind("tcp://127.0.0.1:*")
+        self.calls = 0
+
+    def on_readable(self, now: float, wall: float) -> bool:
+        self.calls += 1
+        raise RuntimeError("bug in a node")
+
+    def on_timer(self, now: float) -> None:
+        self.calls += 1
+        raise RuntimeError("bug in a node")
+
+    def deadline(self, now: float) -> float:
+        return now
+
+
+def test_a_failing_node_does_not_stop_its_loop() -> None:
+    loop = AgentLoop().start()
+    broken = _BrokenNode(loop)
+    try:
+        loop.call(lambda: loop.add(broken))
+        agent = QuorumAgent(0, [0], {}, new_job_secret(), FAST_CONFIG, loop=loop).start()
+        assert agent.get_quorum(1, timeout=10).replica_ids == (0,)
+        assert broken.calls >= 1 and loop.running
+        agent.stop()
+    finally:
+        loop.call(lambda: loop.remove(broken))
+        broken.socket.close(linger=0)
+        loop.stop()

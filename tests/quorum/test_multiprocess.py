@@ -1,0 +1,136 @@
+"""Multi-process tests: every member a real process, real sockets on loopback.
+
+Invariant checked throughout: the members of a round all end with the very
+same quorum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ftcore.ids import new_job_secret
+from launcher.quorum.model import HeartbeatAcked, VoteRequested
+from launcher.quorum.wire import Codec
+from tests.waiting import wait_until
+
+from .cluster import JOB, Cluster
+from .helpers import FAST_CONFIG
+
+pytestmark = pytest.mark.timeout(90)
+
+FIVE = list(range(5))
+MakeCluster = Callable[..., Cluster]
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
+    made: list[Cluster] = []
+
+    def make(running: int, **kwargs: object) -> Cluster:
+        cluster = Cluster(tmp_path / str(len(made)), running, **kwargs)  # type: ignore[arg-type]
+        made.append(cluster)
+        return cluster
+    yield make
+    for cluster in made:
+        cluster.close()
+
+
+def test_leader_killed_mid_round(make_cluster: MakeCluster) -> None:
+    # A long join window: the leader holds the round open for its own join,
+    # so the kill lands while the others' joins sit unanswered at the leader.
+    cluster = make_cluster(5, config=dataclasses.replace(FAST_CONFIG, join_timeout=5.0))
+    first = cluster.round(FIVE, 1)
+    leader = cluster.leader()
+    survivors = [r for r in FIVE if r != leader]
+    cluster.ask(survivors, 2)
+    wait_until(lambda: cluster.status(leader).round_joined == tuple(survivors), 10,
+               "the survivors' joins at the leader")
+    killed_at = time.monotonic()
+    cluster.kill(leader)
+    answers = cluster.answers(survivors, 2)
+    took = time.monotonic() - killed_at
+    quorums = set(answers.values())
+    assert len(quorums) == 1, answers
+    [quorum] = quorums
+    assert quorum.replica_ids == tuple(survivors)
+    assert quorum.leader_id != leader and quorum.quorum_id > first.quorum_id
+    # Detected by heartbeats within seconds, not by the join window.
+    assert took < 5.0
+
+
+def test_partition_one_member_then_heal(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(5)
+    cluster.round(FIVE, 1)
+    victim = (cluster.leader() + 1) % 5
+    rest = [r for r in FIVE if r != victim]
+    cluster.partition([victim])
+    cluster.ask([victim], 2)
+    shrunk = cluster.settled_round(rest, 2, expect=rest)
+    [error] = cluster.answers([victim], 2).values()
+    assert error[0] == "MajorityLostError" and tuple(error[2]) == (victim,)
+    cluster.heal()
+    grown = cluster.settled_round(FIVE, 10, expect=FIVE)
+    assert grown.quorum_id > shrunk.quorum_id
+
+
+def test_partition_two_of_five(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(5)
+    cluster.round(FIVE, 1)
+    leader = cluster.leader()
+    minority = sorted([(leader + 1) % 5, (leader + 2) % 5])
+    majority = [r for r in FIVE if r not in minority]
+    cluster.partition(minority)
+    cluster.ask(minority, 2)
+    quorum = cluster.settled_round(majority, 2, expect=majority)
+    assert quorum.leader_id == leader
+    for error in cluster.answers(minority, 2).values():
+        assert error[0] == "MajorityLostError" and sorted(error[2]) == minority
+
+
+def test_restarted_member_rejoins_at_a_new_address(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(5)
+    first = cluster.round(FIVE, 1)
+    victim = (cluster.leader() + 2) % 5
+    old_address = cluster.members[victim].address
+    cluster.kill(victim)
+    new_address = cluster.start(victim).address
+    assert new_address != old_address
+    quorum = cluster.settled_round(FIVE, 2, expect=FIVE)
+    assert [m.address for m in quorum.members if m.replica_id == victim] == [new_address]
+    assert quorum.quorum_id > first.quorum_id
+
+
+def test_forged_and_replayed_messages_are_dropped(make_cluster: MakeCluster) -> None:
+    # Three of four configured replicas run: still a strict majority.
+    cluster = make_cluster(3, replicas=4)
+    first = cluster.round([0, 1, 2], 1)
+    target = cluster.members[1]
+    term = cluster.status(1).term
+    now = time.time()
+    fake = "tcp://127.0.0.1:9"
+    forged = [
+        # A vote that would depose everyone, signed with a guessed secret.
+        Codec(new_job_secret(), JOB).seal(0, 1, 1, 1, now, fake, VoteRequested(99, transfer=True)),
+        # The right secret bound to another job.
+        Codec(cluster.secret, "another-job").seal(0, 1, 1, 1, now, fake, VoteRequested(99)),
+    ]
+    genuine = Codec(cluster.secret, JOB).seal(3, 1, 5, 1, now, fake, HeartbeatAcked(0))
+    stale = Codec(cluster.secret, JOB).seal(3, 1, 5, 2, now - 3600, fake, HeartbeatAcked(0))
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(target.address)
+        for frames in [*forged, genuine, genuine, stale]:
+            sock.send_multipart(frames)
+        expected = {"rejected_bad_signature": 2, "rejected_replayed": 1, "rejected_expired": 1}
+        counts = wait_until(lambda: (c := target.call("stats")) and all(
+            c[k] == v for k, v in expected.items()) and c, 10, "the drops to be counted")
+    assert counts["received"] > 0
+    assert cluster.status(1).term == term  # the forged vote changed nothing
+    second = cluster.round([0, 1, 2], 2)
+    assert second.replica_ids == (0, 1, 2) and second.quorum_id == first.quorum_id
