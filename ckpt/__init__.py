@@ -1,0 +1,16 @@
+"""Checkpoints: in-memory dual-buffer snapshots, peer backup, state serving, HDF5 tier.
+
+Modules (torch only in ``torch_state``; everything else needs numpy, h5py for
+``persist``, and the standard library):
+
+* ``manifest``: tensor specs, layout, CRC-32 checksums, JSON manifest (pure)
+* ``placement``: backup-rank placement and catch-up source choice (pure)
+* ``wire``: routes, authentication and byte ranges of the HTTP protocol (pure)
+* ``dual`` / ``snapshot``: the two alternating buffers and the background copy
+* ``serve`` / ``fetch``: the state server and its client (catch-up, backup push)
+* ``backup``: backups held for peers and the sender of our own
+* ``persist`` / ``loader_state``: the HDF5 tier and the per-step loader record
+* ``restore``: memory -> backup peer -> local disk -> persistent store
+* ``rank``: one rank's checkpointing wired together for the training loop
+* ``torch_state``: torch model / optimizer / scheduler / RNG as a state source
+"""
