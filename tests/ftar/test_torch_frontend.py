@@ -1,0 +1,170 @@
+"""The torch front end in real member processes: DDP hook, dtypes, strides, staging."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ftcore.ids import new_job_secret
+from tests.ftar.torch_member import member_main
+
+MEMBERS = 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    ctx = multiprocessing.get_context("spawn")
+    secret = new_job_secret()
+    tmp = tmp_path_factory.mktemp("torch-ftar")
+    pipes, processes = [], []
+    for index in range(MEMBERS):
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=member_main, daemon=True,
+                              args=(child, index, secret, str(tmp / f"store{index}")))
+        process.start()
+        pipes.append(parent)
+        processes.append(process)
+    try:
+        addresses = [_recv(p) for p in pipes]
+        for pipe in pipes:
+            pipe.send(addresses)
+        return [_recv(p) for p in pipes]
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+def _recv(pipe: Any) -> Any:
+    if not pipe.poll(90):
+        raise AssertionError("a torch member did not answer within 90 s")
+    return pipe.recv()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_hook_gives_the_average_of_plain_gradients(results: list[dict]) -> None:
+    for param in range(len(results[0]["plain0"])):
+        average = np.mean([r["plain0"][param].astype(np.float64) for r in results], axis=0)
+        for member in results:
+            assert np.allclose(member["ddp0"][param], average, rtol=1e-5, atol=1e-7)
+    assert all(r["contributors0"] == MEMBERS for r in results)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_hook_leaves_out_a_member_that_does_not_contribute(results: list[dict]) -> None:
+    # step 1: member 1 catches up and contributes zeros; the average is member 0's
+    for param in range(len(results[0]["plain1"])):
+        for member in results:
+            assert np.allclose(member["ddp1"][param], results[0]["plain1"][param],
+                               rtol=1e-5, atol=1e-7)
+    assert all(r["contributors1"] == 1 for r in results)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype, eps", [("bfloat16", 2.0 ** -7), ("float16", 2.0 ** -10),
+                                        ("float32", 2.0 ** -23)])
+@pytest.mark.parametrize("stage", [False, True])
+def test_tensor_allreduce_matches_float64(results: list[dict], dtype: str, eps: float,
+                                          stage: bool) -> None:
+    inputs = [r[f"in-{dtype}-{stage}"].astype(np.float64) for r in results]
+    expected = np.mean(inputs, axis=0)
+    bound = (MEMBERS + 1) * eps * np.sum(np.abs(inputs), axis=0) / MEMBERS
+    for member in results:
+        assert np.all(np.abs(member[f"out-{dtype}-{stage}"] - expected) <= bound)
+
+
+@pytest.mark.timeout(120)
+def test_non_contiguous_tensor_is_reduced_in_place(results: list[dict]) -> None:
+    expected = np.sum([r["in-strided"].astype(np.float64) for r in results], axis=0)
+    for member in results:
+        assert member["out-strided"].shape == (30, 40)
+        assert np.allclose(member["out-strided"], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_ftar_package_does_not_import_torch() -> None:
+    code = ("import sys, ftar, ftar.ring, ftar.transport, ftar.schedule; "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=False, cwd=Path(__file__).resolve().parents[2])
+    assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_tensor_through_pinned_staging() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from ftar import FtarGroup, ReduceOp
+    from ftar.torch_frontend import allreduce_tensor
+    from ftcore.config import FtarConfig
+
+    with FtarGroup(FtarConfig(chunk_bytes=4096), new_job_secret()) as group:
+        group.reconfigure(1, [group.address], 0)   # one member: staging round trip only
+        tensor = torch.arange(10_000, dtype=torch.float32, device="cuda")
+        allreduce_tensor(group, tensor, ReduceOp.SUM)
+        assert torch.equal(tensor.cpu(), torch.arange(10_000, dtype=torch.float32))
+
+
+class _FailingGroup:
+    """Stands in for an FtarGroup whose ring breaks (or that is misused)."""
+
+    def __init__(self, error: Exception) -> None:
+        from ftcore.config import FtarConfig
+
+        self.config = FtarConfig()
+        self.error = error
+        self.calls = 0
+
+    def reduce_flat(self, *args: Any, **kwargs: Any) -> int:
+        self.calls += 1
+        raise self.error
+
+
+class _Bucket:
+    def __init__(self, tensor: Any) -> None:
+        self._tensor = tensor
+
+    def buffer(self) -> Any:
+        return self._tensor
+
+
+@pytest.mark.timeout(60)
+def test_hook_keeps_a_recoverable_error_and_skips_the_other_buckets() -> None:
+    torch = pytest.importorskip("torch")
+    from ftar import PeerFailedError
+    from ftar.errors import FailureKind
+    from ftar.torch_frontend import FtarHookState, ddp_comm_hook
+
+    error = PeerFailedError(FailureKind.CLOSED, peer_index=1, peer_address="h:1",
+                            quorum_id=3, step=9)
+    group = _FailingGroup(error)
+    state = FtarHookState(group, step=9)       # type: ignore[arg-type]
+    futures = [ddp_comm_hook(state, _Bucket(torch.ones(4)))  # type: ignore[arg-type]
+               for _ in range(3)]
+    assert all(torch.equal(f.wait(), torch.ones(4)) for f in futures)   # no raise in backward
+    assert group.calls == 1                                          # queued buckets skipped
+    assert state.take_error() is error and state.take_error() is None
+    state.close()
+
+
+@pytest.mark.timeout(60)
+def test_hook_fails_the_future_on_a_fatal_error() -> None:
+    torch = pytest.importorskip("torch")
+    from ftar import FtarUsageError
+    from ftar.torch_frontend import FtarHookState, ddp_comm_hook
+
+    state = FtarHookState(_FailingGroup(FtarUsageError("members disagree")))  # type: ignore[arg-type]
+    future = ddp_comm_hook(state, _Bucket(torch.ones(4)))  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="members disagree"):
+        future.wait()
+    assert state.error is None
+    state.close()
