@@ -1,0 +1,35 @@
+"""Events of the worker runtime (JSON lines, one file per rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftcore.events import Event
+from launcher.quorum import events as quorum_events  # noqa: F401  same log: register them too
+
+
+@dataclass(frozen=True)
+class WorkerStarted(Event):
+    replica_id: int
+    rank: int
+    next_step: int
+
+
+@dataclass(frozen=True)
+class StepCommitted(Event):
+    replica_id: int
+    rank: int
+    step: int
+    quorum_id: int
+    contributors: int
+    caught_up: bool
+    lr_factor: float
+
+
+@dataclass(frozen=True)
+class StepDiscarded(Event):
+    replica_id: int
+    rank: int
+    step: int
+    quorum_id: int
+    reason: str

@@ -1,0 +1,79 @@
+"""Scripted fault injection for tests and the fault run (never set in production).
+
+``FTLAUNCH_INJECT="kill@mid_allreduce:7,stop@after_commit:12"`` makes this worker
+SIGKILL itself in the middle of step 7's gradient all-reduce (after the
+reduce-scatter, before the all-gather) and SIGSTOP itself after committing step
+12. Each fault fires once, in the incarnation that was given it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+from ftcore.errors import UsageError
+
+log = logging.getLogger(__name__)
+ENV_INJECT = "FTLAUNCH_INJECT"
+
+
+class FaultPoint(enum.Enum):
+    START_STEP = "start_step"          # after the quorum answered
+    MID_ALLREDUCE = "mid_allreduce"    # between reduce-scatter and all-gather
+    BEFORE_COMMIT = "before_commit"    # all-reduce done, commit vote not yet cast
+    AFTER_COMMIT = "after_commit"      # optimizer step and snapshot started
+
+
+class FaultAction(enum.Enum):
+    KILL = "kill"              # SIGKILL: the process vanishes
+    STOP = "stop"              # SIGSTOP: a hang (resumed by the test with SIGCONT)
+    RAISE = "raise"            # an exception in the training process
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    action: FaultAction
+    point: FaultPoint
+    step: int
+
+
+def parse_faults(text: str) -> tuple[InjectedFault, ...]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            action, rest = item.split("@")
+            point, step = rest.split(":")
+            faults.append(InjectedFault(FaultAction(action), FaultPoint(point), int(step)))
+        except ValueError:
+            raise UsageError(f"bad {ENV_INJECT} item {item!r}",
+                             hint="write ACTION@POINT:STEP, ACTION in "
+                                  f"{[a.value for a in FaultAction]}, POINT in "
+                                  f"{[p.value for p in FaultPoint]}") from None
+    return tuple(faults)
+
+
+class FaultInjector:
+    def __init__(self, faults: tuple[InjectedFault, ...] = ()) -> None:
+        self.pending = list(faults)
+
+    @staticmethod
+    def from_env() -> FaultInjector:
+        return FaultInjector(parse_faults(os.environ.get(ENV_INJECT, "")))
+
+    def armed(self, point: FaultPoint, step: int) -> bool:
+        return any(f.point is point and f.step == step for f in self.pending)
+
+    def check(self, point: FaultPoint, step: int) -> None:
+        for fault in [f for f in self.pending if f.point is point and f.step == step]:
+            self.pending.remove(fault)
+            log.warning("injecting fault: %s at %s of step %d", fault.action.value,
+                        point.value, step)
+            if fault.action is FaultAction.KILL:
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.action is FaultAction.STOP:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                raise RuntimeError(f"injected fault at {point.value} of step {step}")

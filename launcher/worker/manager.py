@@ -1,0 +1,297 @@
+"""The per-step protocol of one rank: quorum, FTAR, catch-up, two-phase commit,
+snapshot. Torch-free: the model and optimizer come in through ``TrainState``
+(``torch_api.TorchTrainState`` for PyTorch).
+
+A training loop::
+
+    plan = manager.start_step()                 # quorum; reconfigure; start catch-up
+    if plan.kind is StepKind.TRAIN:
+        loss = model.loss(batch_for(manager.data_position)); loss.backward()
+    manager.allreduce_gradients()               # FTAR across replicas (zeros if behind)
+    if manager.commit():                        # all ranks agree -> optimizer step
+        ...                                     # committed; else the step is retried
+
+Failures of FTAR, the quorum or the fetch are recoverable: the step is dropped
+on every rank of the replica and retried under a new quorum, up to
+``runtime.max_consecutive_failures`` in a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ckpt.errors import NoCheckpointError
+from ckpt.fetch import Peer
+from ckpt.manifest import Bytes, Manifest
+from ckpt.persist import PersistentStore
+from ckpt.rank import RankCheckpointer, RankPlace
+from ckpt.restore import DiskTier, RestoreChain, TierKind
+from ckpt.snapshot import StateSource
+from ftar import FtarGroup, ReduceOp
+from ftcore.config import Config
+from ftcore.errors import FtError, RecoverableError
+from ftcore.events import EventLog
+from launcher.quorum import FileDirectory, QuorumAgent
+
+from .events import StepCommitted, StepDiscarded, WorkerStarted
+from .faults import FaultInjector, FaultPoint
+from .identity import WorkerIdentity
+from .ledger import DataLedger, StepContribution
+from .lr import lr_factor
+from .protocol import FailureBudget, QuorumView, ReplicaEndpoints, StepKind, StepPlan, plan_step
+from .replica_group import ReplicaGroup, SoloGroup
+
+log = logging.getLogger(__name__)
+
+
+class TrainState(Protocol):
+    """What the protocol needs of a model + optimizer (see ``torch_api``)."""
+
+    def gradients(self) -> np.ndarray: ...               # flat, contiguous, writable
+    def set_gradients(self, flat: np.ndarray) -> None: ...
+    def zero_gradients(self) -> None: ...
+    def apply(self, lr_factor: float) -> None: ...        # the optimizer step
+    def snapshot_source(self, step: int, loader_state: Mapping[str, Any]) -> StateSource: ...
+    def load(self, manifest: Manifest, buffer: Bytes) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    quorum_s: float
+    allreduce_s: float
+    commit_s: float
+
+
+class Manager:
+    def __init__(self, config: Config, identity: WorkerIdentity, state: TrainState,
+                 batch_size: int, *, group: ReplicaGroup | None = None) -> None:
+        self.config = config
+        self.identity = identity
+        self.state = state
+        self.batch_size = batch_size
+        self.group = group or SoloGroup()
+        self.ledger = DataLedger(identity.num_replicas)
+        self.next_step = 0
+        self.budget = FailureBudget(config.runtime.max_consecutive_failures)
+        run_dir = identity.run_dir
+        tag = f"replica-{identity.replica_id}-rank-{identity.rank}"
+        self.events = EventLog(run_dir / "events" / f"{tag}.jsonl")
+        self.audit = (run_dir / "audit" / f"replica-{identity.replica_id}.jsonl"
+                      if identity.rank == 0 else None)
+        self.faults = FaultInjector.from_env()
+        self.ftar = FtarGroup(config.ftar, identity.secret, identity.host,
+                              progress_hook=self._on_ring_progress)
+        ckpt_dir = Path(config.ckpt.dir)
+        ckpt_config = dataclasses.replace(config.ckpt, dir=str(ckpt_dir if ckpt_dir.is_absolute()
+                                                           else run_dir / ckpt_dir))
+        self.ckpt = RankCheckpointer(
+            ckpt_config, RankPlace(rank=identity.rank, world_size=identity.ranks,
+                                   shard=identity.rank, shards=identity.ranks),
+            secret=identity.secret, host=identity.host, persist=identity.replica_id == 0)
+        mine = (self.ftar.address, (self.ckpt.address.host, self.ckpt.address.port))
+        gathered = self.group.all_gather(mine)
+        self.endpoints = ReplicaEndpoints(tuple(tuple(g[0]) for g in gathered),   # type: ignore[misc]
+                                          tuple(tuple(g[1]) for g in gathered))   # type: ignore[misc]
+        self.agent: QuorumAgent | None = None
+        if identity.rank == 0:
+            directory = FileDirectory(run_dir / "peers", identity.secret, identity.job_id)
+            self.agent = QuorumAgent(identity.replica_id, range(identity.num_replicas),
+                                     directory, identity.secret, config.quorum,
+                                     job_id=identity.job_id, host=identity.host,
+                                     event_log=self.events).start()
+        self._quorum_id: int | None = None
+        self._plan: StepPlan | None = None
+        self._catch_up: Any = None
+        self._contribution: StepContribution | None = None
+        self._error: BaseException | None = None
+        self._in_gradient_allreduce = False
+        self._restore_persistent()
+        self.events.emit(WorkerStarted(replica_id=identity.replica_id, rank=identity.rank,
+                                       next_step=self.next_step))
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def data_position(self) -> int:
+        """Samples of this replica's stream consumed by committed steps."""
+        return self.ledger.positions[self.identity.replica_id]
+
+    @property
+    def plan(self) -> StepPlan:
+        if self._plan is None:
+            raise RuntimeError("start_step() first")
+        return self._plan
+
+    def _restore_persistent(self) -> None:
+        """After a full restart: resume from the newest complete persistent checkpoint
+        (every replica reads it; only replica 0 writes it)."""
+        root = Path(self.ckpt.config.dir)
+        if not root.is_dir():
+            return
+        store = PersistentStore(root, rank=self.identity.rank, world_size=self.identity.ranks,
+                                keep=self.ckpt.config.keep,
+                                every=self.ckpt.config.persist_every, create=False)
+        try:
+            restored = RestoreChain([DiskTier(store, TierKind.PERSISTENT)],
+                                    rank=self.identity.rank).restore()
+        except NoCheckpointError:
+            return
+        finally:
+            store.close()
+        loader_state = self.state.load(restored.manifest, restored.buffer)
+        self.ledger = DataLedger.from_state(dict(loader_state), self.identity.num_replicas)
+        self.next_step = restored.step + 1
+        log.info("restored step %d from %s", restored.step, restored.tier.value)
+
+    # ------------------------------------------------------------------ the step
+
+    def start_step(self) -> StepPlan:
+        """Join the quorum for the next step; reconfigure FTAR; start catch-up if behind.
+
+        A quorum that cannot form yet (election, stragglers, majority briefly lost) is
+        retried, each failure counted against ``runtime.max_consecutive_failures``."""
+        self._error, self._contribution, self._catch_up = None, None, None
+        while True:
+            try:
+                view = self.group.broadcast(self._ask_quorum() if self.agent is not None
+                                            else None)
+                plan = plan_step(view, self.identity.replica_id, self.identity.rank,
+                                 self._quorum_id, self.next_step)
+                break
+            except RecoverableError as error:
+                log.warning("no quorum for step %d yet: %s", self.next_step, error)
+                self.budget.failed(error, self.next_step)
+        try:
+            if plan.reconfigure:
+                self.ftar.reconfigure(plan.quorum_id, list(plan.ring), plan.my_index)
+            self._quorum_id = plan.quorum_id
+        except FtError as error:
+            self._quorum_id = None  # rebuild next time, whatever the quorum says
+            self._error = error
+        if plan.kind is StepKind.CATCH_UP and self._error is None:
+            peers = [Peer(host, port) for host, port in plan.fetch_from]
+            self._catch_up = self.ckpt.catch_up(peers, plan.step - 1)
+        self._plan = plan
+        self.faults.check(FaultPoint.START_STEP, plan.step)
+        return plan
+
+    def _ask_quorum(self) -> QuorumView:
+        assert self.agent is not None
+        quorum = self.agent.get_quorum(self.next_step, address=self.endpoints.encode())
+        return QuorumView(quorum_id=quorum.quorum_id, max_step=quorum.max_step,
+                          members=tuple(sorted((m.replica_id, m.address)
+                                               for m in quorum.members)),
+                          behind=tuple(quorum.behind))
+
+    def allreduce_gradients(self) -> None:
+        """Average gradients across the quorum's replicas (this rank's ring)."""
+        plan = self.plan
+        if self._error is not None:
+            return
+        training = plan.kind is StepKind.TRAIN
+        counts = self.ledger.contribution_vector(self.identity.replica_id,
+                                                 self.batch_size if training else 0)
+        try:
+            self.ftar.allreduce(counts, op=ReduceOp.SUM, step=plan.step)
+            grads = self.state.gradients()
+            self._in_gradient_allreduce = True
+            try:
+                self.ftar.allreduce(grads, op=ReduceOp.AVG, contributes=training,
+                                    step=plan.step)
+            finally:
+                self._in_gradient_allreduce = False
+            self.state.set_gradients(grads)
+            self._contribution = self.ledger.decode(plan.step, counts)
+        except RecoverableError as error:
+            self._error = error.with_ids(replica_id=self.identity.replica_id,
+                                         rank=self.identity.rank)
+
+    def commit(self) -> bool:
+        """Two-phase commit inside the replica: every rank's all-reduce (and fetch) must
+        have succeeded; then the optimizer step, the ledger, the audit, the snapshot."""
+        plan = self.plan
+        self.faults.check(FaultPoint.BEFORE_COMMIT, plan.step)
+        fetched = self._await_catch_up()
+        if not self.group.all_true(self._error is None):
+            return self._discard(plan)
+        assert self._contribution is not None
+        if fetched is not None:
+            loader_state = self.state.load(fetched.manifest, fetched.buffer)
+            self.ledger = DataLedger.from_state(dict(loader_state), self.identity.num_replicas)
+        self.ckpt.before_optimizer_step()
+        factor = lr_factor(self.config.runtime.lr_scaling, self._contribution.contributors,
+                           self.identity.num_replicas)
+        self.state.apply(factor)
+        positions_before = list(self.ledger.positions)
+        self.ledger.commit(self._contribution)
+        self._write_audit(plan, positions_before)
+        self.next_step = plan.step + 1
+        loader_state = self.ledger.to_state()
+        self.ckpt.after_optimizer_step(plan.step, self.state.snapshot_source(plan.step,
+                                                                             loader_state),
+                                       loader_state)
+        self.budget.succeeded()
+        self.events.emit(StepCommitted(
+            replica_id=self.identity.replica_id, rank=self.identity.rank, step=plan.step,
+            quorum_id=plan.quorum_id, contributors=self._contribution.contributors,
+            caught_up=fetched is not None, lr_factor=factor))
+        self.faults.check(FaultPoint.AFTER_COMMIT, plan.step)
+        return True
+
+    def _on_ring_progress(self, transfer: Any) -> None:
+        """FTAR progress (a completed ring transfer): fault injection between the
+        reduce-scatter and the all-gather of the gradient all-reduce."""
+        plan = self._plan
+        if (plan is not None and self._in_gradient_allreduce
+                and transfer.ring_step == len(plan.ring) - 2):
+            self.faults.check(FaultPoint.MID_ALLREDUCE, plan.step)
+
+    def _await_catch_up(self) -> Any:
+        if self._catch_up is None or self._error is not None:
+            return None
+        try:
+            return self._catch_up.result()
+        except FtError as error:
+            self._error = error
+            return None
+
+    def _discard(self, plan: StepPlan) -> bool:
+        error = self._error or RecoverableError("another rank of this replica failed the step")
+        log.warning("step %d discarded: %s", plan.step, error)
+        self.state.zero_gradients()
+        self._quorum_id = None  # the ring may be broken: rebuild it under the next quorum
+        if self.agent is not None:
+            self.agent.report_commit_failure()
+        self.events.emit(StepDiscarded(replica_id=self.identity.replica_id,
+                                       rank=self.identity.rank, step=plan.step,
+                                       quorum_id=plan.quorum_id, reason=str(error)))
+        self.budget.failed(error, plan.step)
+        return False
+
+    def _write_audit(self, plan: StepPlan, positions_before: list[int]) -> None:
+        if self.audit is None:
+            return
+        assert self._contribution is not None
+        record = {"step": plan.step, "quorum_id": plan.quorum_id, "time": time.time(),
+                  "positions_before": positions_before,
+                  "counts": list(self._contribution.counts)}
+        self.audit.parent.mkdir(parents=True, exist_ok=True)
+        with self.audit.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
+        self.ckpt.wait_persisted(self.config.ckpt.fetch_timeout)
+        self.ckpt.close()
+        self.ftar.close()
+        self.events.close()
