@@ -59,9 +59,10 @@ def _worker(args: argparse.Namespace) -> None:
     store = dist.FileStore(args.store, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     config = FtarConfig(chunk_bytes=args.chunk_bytes, chunks_in_flight=args.chunks_in_flight,
-                        sockets_per_peer=args.sockets_per_peer, timeout=60.0)
-    group = FtarGroup(config, args.secret, reduce_bytes=args.reduce_bytes,
-                      socket_buffer_bytes=args.socket_buffer_bytes)
+                        sockets_per_peer=args.sockets_per_peer, timeout=60.0,
+                        reduce_bytes=args.reduce_bytes,
+                        socket_buffer_bytes=args.socket_buffer_bytes)
+    group = FtarGroup(config, args.secret)
     addresses: list[Any] = [None] * world
     dist.all_gather_object(addresses, group.address)
     group.reconfigure(1, addresses, rank)

@@ -38,7 +38,6 @@ from .transport import Address
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 
 __all__ = ["Combiner", "FtarGroup", "FtarStats", "GroupState", "ReduceOp"]
 
@@ -70,23 +69,21 @@ class FtarGroup:
     """One member of the cross-replica ring (see module docstring)."""
 
     def __init__(self, config: FtarConfig, secret: str, host: str = "127.0.0.1", *,
-                 reduce_bytes: int = 2 * MiB, min_chunk_bytes: int = 1 * MiB,
-                 socket_buffer_bytes: int = 0,
                  progress_hook: ProgressHook | None = None) -> None:
-        """``reduce_bytes``: granularity of receive-then-add inside a chunk (cache
-        sized, tuned apart from the transport's ``chunk_bytes``).
-        ``min_chunk_bytes``: segments smaller than ``chunk_bytes x chunks_in_flight``
-        are still cut into up to ``chunks_in_flight`` chunks of at least this size, to
-        pipeline the ring steps; 0 turns that off.
-        ``socket_buffer_bytes``: SO_SNDBUF/SO_RCVBUF, 0 keeps kernel autotuning.
+        """Tuning comes from ``config`` (``[ftar]``): ``reduce_bytes`` is the
+        granularity of receive-then-add inside a chunk (cache sized, tuned apart from
+        the transport's ``chunk_bytes``); segments smaller than ``chunk_bytes x
+        chunks_in_flight`` are still cut into up to ``chunks_in_flight`` chunks of at
+        least ``min_chunk_bytes`` to pipeline the ring steps (0 turns that off);
+        ``socket_buffer_bytes`` sets SO_SNDBUF/SO_RCVBUF (0 keeps kernel autotuning).
         ``progress_hook``: called after each completed ring step (tracing, tests)."""
         problems = list(config.problems())
         if problems:
             raise FtarUsageError(f"bad [ftar] config: {problems}")
         self.config = config
-        self._reduce_bytes = max(4096, reduce_bytes)
-        self._min_chunk_bytes = min_chunk_bytes
-        self._socket_buffer_bytes = socket_buffer_bytes
+        self._reduce_bytes = config.reduce_bytes
+        self._min_chunk_bytes = config.min_chunk_bytes
+        self._socket_buffer_bytes = config.socket_buffer_bytes
         self._progress_hook = progress_hook
         self._connector = Connector(config, secret, host)
         # Receive buffers, allocated once: chunks_in_flight slots of chunk_bytes.

@@ -82,6 +82,9 @@ class QuorumConfig:
     heartbeat_interval: float = 0.2
     election_timeout: float = 1.0
     member_timeout: float = 3.0
+    max_message_age: float = 30.0    # replay window; node clock skew must stay below it
+    election_slot: float = 0.02      # per-voter stretch of the election timeout spread
+    peer_dir: str = ""               # shared directory of agent addresses ("": run dir)
 
     def problems(self) -> Iterable[tuple[str, str]]:
         if not 0 <= self.port <= 65535:
@@ -89,11 +92,13 @@ class QuorumConfig:
         if self.min_replicas < 1:
             yield "min_replicas", "must be at least 1"
         for name in ("join_timeout", "heartbeat_interval", "election_timeout",
-                     "member_timeout"):
+                     "member_timeout", "max_message_age"):
             if getattr(self, name) <= 0:
                 yield name, "must be a positive number of seconds"
         if self.election_timeout <= self.heartbeat_interval:
             yield "election_timeout", "must be longer than heartbeat_interval"
+        if self.election_slot < 0:
+            yield "election_slot", "must be 0 or more seconds"
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,16 @@ class FtarConfig:
     sockets_per_peer: int = 1
     timeout: float = 30.0
     connect_timeout: float = 10.0
+    reduce_bytes: int = 2 * MiB          # receive-then-add piece inside a chunk (cache sized)
+    min_chunk_bytes: int = 1 * MiB       # small segments still pipelined in chunks this big
+    socket_buffer_bytes: int = 0         # SO_SNDBUF/SO_RCVBUF; 0: kernel autotuning (best here)
 
     def problems(self) -> Iterable[tuple[str, str]]:
+        if self.reduce_bytes < 4096:
+            yield "reduce_bytes", "must be at least 4096"
+        if self.min_chunk_bytes < 0 or self.socket_buffer_bytes < 0:
+            yield ("min_chunk_bytes" if self.min_chunk_bytes < 0 else "socket_buffer_bytes",
+                   "must be 0 or more")
         if self.chunk_bytes < 4096:
             yield "chunk_bytes", "must be at least 4096"
         if self.chunks_in_flight < 1:
@@ -127,6 +140,13 @@ class CkptConfig:
     keep: int = 2
     peer_backup: bool = True
     fetch_timeout: float = 60.0
+    local_dir: str = ""                  # node-local disk tier ("": off)
+    backup_every: int = 1                # steps between backup pushes to the peer
+    fetch_streams: int = 2               # connections per catch-up fetch
+    serve_port: int = 0                  # state server port (0: any free port)
+    durable: bool = True                 # fsync shards and loader state
+    snapshot_nice: int = 19              # priority of the snapshot thread
+    check_finite: bool = True            # restore rejects copies holding NaN/Inf
 
     def problems(self) -> Iterable[tuple[str, str]]:
         if not self.dir:
@@ -137,6 +157,14 @@ class CkptConfig:
             yield "keep", "must keep at least 1 checkpoint"
         if self.fetch_timeout <= 0:
             yield "fetch_timeout", "must be a positive number of seconds"
+        if self.backup_every < 1:
+            yield "backup_every", "must be at least 1 step"
+        if self.fetch_streams < 1:
+            yield "fetch_streams", "must be at least 1"
+        if not 0 <= self.serve_port <= 65535:
+            yield "serve_port", "must be 0 (any free port) or a TCP port number"
+        if not -20 <= self.snapshot_nice <= 19:
+            yield "snapshot_nice", "must be a nice value from -20 to 19"
 
 
 @dataclass(frozen=True)
