@@ -11,7 +11,9 @@ import pytest
 
 from tests.waiting import wait_until
 
-from .harness import LoopbackJob, check_exactly_once, max_gap
+from launcher.worker.local import LocalJob
+
+from .harness import check_run, loopback_job, max_gap
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -21,22 +23,22 @@ STALL_BOUND_S = 1.0 + 1.0 + 4.0
 LONG_RUN = 400
 
 
-def finish_and_check(job: LoopbackJob, timeout: float = 180) -> dict[int, dict]:
+def finish_and_check(job: LocalJob, steps: int, timeout: float = 180) -> dict[int, dict]:
     codes = job.wait_all(timeout)
     assert all(code == 0 for code in codes.values()), {r: job.log(r)[-3000:] for r in codes}
     finals = job.finals()
     hashes = {f["state_sha256"] for f in finals.values()}
     assert len(hashes) == 1, f"replicas diverged: {finals}"
-    positions = check_exactly_once(job.run_dir, job.replicas, job.batch_size, job.steps)
+    positions = check_run(job, steps)
     assert all(f["positions"] == positions for f in finals.values())
     return finals
 
 
 def test_no_faults_replicas_bit_identical_and_loss_falls(tmp_path):
-    job = LoopbackJob(tmp_path, replicas=3, steps=40)
+    job = loopback_job(tmp_path, replicas=3, steps=40)
     job.start_all()
     try:
-        finish_and_check(job)
+        finish_and_check(job, 40)
     finally:
         job.stop_everything()
     first = [e for e in job.committed(0) if e.step == 0]
@@ -46,7 +48,7 @@ def test_no_faults_replicas_bit_identical_and_loss_falls(tmp_path):
     assert losses[-1] < losses[0] - 0.3, losses
 
 
-def kill_and_restart(job: LoopbackJob, replica: int, inject: str, restart_after_step: int = -1):
+def kill_and_restart(job: LocalJob, replica: int, inject: str, restart_after_step: int = -1):
     wait_until(lambda: job.current(replica).poll() is not None, 120,
                f"replica {replica} to die from {inject}")
     assert job.current(replica).returncode == -signal.SIGKILL
@@ -60,11 +62,11 @@ def kill_and_restart(job: LoopbackJob, replica: int, inject: str, restart_after_
 def test_killed_replica_restarts_catches_up_and_nothing_is_lost(tmp_path, point):
     # Long enough that the healthy replicas still train when the restarted one is back
     # (a Python + torch start takes seconds on a loaded 2-core machine).
-    job = LoopbackJob(tmp_path, replicas=3, steps=LONG_RUN)
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN)
     job.start_all({1: f"kill@{point}:12"})
     try:
         kill_and_restart(job, 1, point)
-        finish_and_check(job)
+        finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
     for healthy in (0, 2):
@@ -81,11 +83,11 @@ def test_killed_replica_restarts_catches_up_and_nothing_is_lost(tmp_path, point)
 
 
 def test_replica_behind_by_many_steps_catches_up_in_one_fetch(tmp_path):
-    job = LoopbackJob(tmp_path, replicas=3, steps=LONG_RUN)
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN)
     job.start_all({2: "kill@after_commit:5"})
     try:
         kill_and_restart(job, 2, "after_commit", restart_after_step=25)
-        finish_and_check(job)
+        finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
     rejoins = [e for e in job.committed(2) if e.caught_up]
@@ -93,12 +95,12 @@ def test_replica_behind_by_many_steps_catches_up_in_one_fetch(tmp_path):
 
 
 def test_two_replicas_fail_at_once(tmp_path):
-    job = LoopbackJob(tmp_path, replicas=5, steps=LONG_RUN)
+    job = loopback_job(tmp_path, replicas=5, steps=LONG_RUN)
     job.start_all({1: "kill@after_commit:10", 3: "kill@after_commit:10"})
     try:
         for replica in (1, 3):
             kill_and_restart(job, replica, "after_commit")
-        finish_and_check(job)
+        finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
     assert any(e.contributors == 3 for e in job.committed(0))
@@ -106,14 +108,14 @@ def test_two_replicas_fail_at_once(tmp_path):
 
 
 def test_hung_replica_is_dropped_then_rejoins(tmp_path):
-    job = LoopbackJob(tmp_path, replicas=3, steps=LONG_RUN)
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN)
     job.start_all({2: "stop@after_commit:10"})
     try:
         wait_until(lambda: job.last_committed_step(0) >= 20, 120,
                    "the others to go on without the hung replica")
         assert job.last_committed_step(2) == 10
         job.current(2).send_signal(signal.SIGCONT)
-        finish_and_check(job)
+        finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
     assert any(e.caught_up for e in job.committed(2))

@@ -1,0 +1,124 @@
+"""Fault run (not a test): the GPT example with 3 replicas on loopback, one replica
+SIGKILLed at a step in the middle and restarted, against a fault-free run of the
+same length.
+
+    python benchmarks/fault_run.py [--steps 80] [--kill-step 25] [--size small] [--json F]
+
+Prints and writes ``{"summary": {"identical_final_state", "samples_exactly_once",
+"max_healthy_stall_s", "rejoin_s", "step_time_s", "final_loss",
+"baseline_final_loss", ...}}``:
+
+* ``max_healthy_stall_s``: the longest wall-clock gap between two commits of a
+  healthy replica after the kill (detection + re-quorum + one step);
+* ``rejoin_s``: from the restart of the killed replica's process to its first
+  committed step (process start, imports, quorum join, state fetch);
+* ``step_time_s``: median gap between commits of the fault-free run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from launcher.worker.audit import AuditError, check_exactly_once  # noqa: E402
+from launcher.worker.events import StepCommitted  # noqa: E402
+from launcher.worker.local import LocalJob  # noqa: E402
+
+TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"
+CONFIG = {
+    "FTL_QUORUM_HEARTBEAT_INTERVAL": "0.1", "FTL_QUORUM_ELECTION_TIMEOUT": "0.5",
+    "FTL_QUORUM_MEMBER_TIMEOUT": "1.0", "FTL_QUORUM_JOIN_TIMEOUT": "1.0",
+    "FTL_FTAR_TIMEOUT": "5", "FTL_CKPT_PERSIST_EVERY": "100000",
+}
+
+
+def run(run_dir: Path, args: argparse.Namespace, kill: bool) -> dict[str, object]:
+    command = [sys.executable, str(TRAIN), "--steps", str(args.steps), "--size", args.size,
+               "--batch-size", str(args.batch_size), "--threads", "1"]
+    job = LocalJob(run_dir, args.replicas, command, CONFIG)
+    victim = 1
+    job.start_all({victim: f"kill@after_commit:{args.kill_step}"} if kill else {})
+    restarted_at = None
+    try:
+        if kill:
+            job.current(victim).wait(timeout=args.timeout)
+            restarted_at = time.time()
+            job.start(victim)
+        codes = job.wait_all(args.timeout)
+    finally:
+        job.stop_everything()
+    if any(codes.values()):
+        raise SystemExit(f"a replica failed: {codes}; logs in {run_dir}")
+    finals = job.finals()
+    try:
+        audit = check_exactly_once(run_dir, args.replicas, args.steps)
+        exactly_once = all(f["positions"] == list(audit.positions) for f in finals.values())
+    except AuditError as error:
+        print(f"audit failed: {error}")
+        exactly_once = False
+    healthy = [r for r in range(args.replicas) if not kill or r != victim]
+    gaps = [b.time - a.time for r in healthy
+            for a, b in itertools.pairwise(sorted(job.committed(r), key=lambda e: e.time))
+            if a.step >= 1]
+    after_kill = [b.time - a.time for r in healthy
+                  for a, b in itertools.pairwise(sorted(job.committed(r), key=lambda e: e.time))
+                  if a.step >= args.kill_step]
+    result: dict[str, object] = {
+        "identical_final_state": len({f["state_sha256"] for f in finals.values()}) == 1,
+        "samples_exactly_once": exactly_once,
+        "final_loss": statistics.fmean(float(f["loss"]) for f in finals.values()),  # type: ignore[arg-type]
+        "step_time_s": statistics.median(gaps),
+        "max_stall_s": max(after_kill or gaps),
+    }
+    if kill and restarted_at is not None:
+        rejoined = [e for e in job.committed(victim) if isinstance(e, StepCommitted)
+                    and e.time > restarted_at]
+        result["rejoin_s"] = min(e.time for e in rejoined) - restarted_at
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--kill-step", type=int, default=25)
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--size", default="small", choices=["tiny", "small", "default"])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ftl-fault-run-") as tmp:
+        baseline = run(Path(tmp) / "baseline", args, kill=False)
+        faulty = run(Path(tmp) / "fault", args, kill=True)
+    summary = {
+        "identical_final_state": faulty["identical_final_state"],
+        "samples_exactly_once": faulty["samples_exactly_once"],
+        "max_healthy_stall_s": round(float(faulty["max_stall_s"]), 3),  # type: ignore[arg-type]
+        "rejoin_s": round(float(faulty["rejoin_s"]), 3),  # type: ignore[arg-type]
+        "step_time_s": round(float(baseline["step_time_s"]), 4),  # type: ignore[arg-type]
+        "final_loss": round(float(faulty["final_loss"]), 4),  # type: ignore[arg-type]
+        "baseline_final_loss": round(float(baseline["final_loss"]), 4),  # type: ignore[arg-type]
+        "baseline_identical_final_state": baseline["identical_final_state"],
+        "steps": args.steps, "kill_step": args.kill_step, "replicas": args.replicas,
+        "size": args.size,
+    }
+    width = max(map(len, summary))
+    for key, value in summary.items():
+        print(f"{key:<{width}}  {value}")
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

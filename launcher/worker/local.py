@@ -1,0 +1,89 @@
+"""Replicas as local processes on this machine (loopback): for development, the
+tests and ``benchmarks/fault_run.py``. ``ft-launch run`` does the same through
+Slurm job steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftcore.events import Event, read_events
+from ftcore.ids import new_job_secret
+
+from . import events as worker_events
+from .identity import (ENV_HOST, ENV_JOB_ID, ENV_NUM_REPLICAS, ENV_REPLICA_ID, ENV_RUN_DIR,
+                       ENV_SECRET)
+from .faults import ENV_INJECT
+
+
+@dataclass
+class LocalJob:
+    """``replicas`` copies of ``command``, each one replica of one rank."""
+
+    run_dir: Path
+    replicas: int
+    command: Sequence[str]
+    config_env: Mapping[str, str] = field(default_factory=dict)   # FTL_* settings
+    secret: str = field(default_factory=new_job_secret)
+    procs: dict[int, list[subprocess.Popen[bytes]]] = field(default_factory=dict)
+
+    def env(self, replica_id: int, inject: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("FTL_", "FTLAUNCH_"))}
+        env.update(self.config_env)
+        env.update({ENV_REPLICA_ID: str(replica_id), ENV_NUM_REPLICAS: str(self.replicas),
+                    ENV_RUN_DIR: str(self.run_dir), ENV_SECRET: self.secret,
+                    ENV_HOST: "127.0.0.1", ENV_JOB_ID: "local", ENV_INJECT: inject,
+                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
+        return env
+
+    def start(self, replica_id: int, inject: str = "") -> subprocess.Popen[bytes]:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with (self.run_dir / f"replica-{replica_id}.log").open("ab") as log:
+            proc = subprocess.Popen(list(self.command), env=self.env(replica_id, inject),
+                                    stdout=log, stderr=subprocess.STDOUT)
+        self.procs.setdefault(replica_id, []).append(proc)
+        return proc
+
+    def start_all(self, injects: Mapping[int, str] | None = None) -> None:
+        for replica_id in range(self.replicas):
+            self.start(replica_id, (injects or {}).get(replica_id, ""))
+
+    def current(self, replica_id: int) -> subprocess.Popen[bytes]:
+        return self.procs[replica_id][-1]
+
+    def wait_all(self, timeout: float) -> dict[int, int]:
+        return {r: p[-1].wait(timeout=timeout) for r, p in self.procs.items()}
+
+    def stop_everything(self) -> None:
+        """End every process this job started (resuming stopped ones first)."""
+        for procs in self.procs.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGCONT)
+                    proc.kill()
+                    proc.wait(timeout=30)
+
+    # ------------------------------------------------------------------ reading back
+
+    def events(self, replica_id: int, rank: int = 0) -> list[Event]:
+        path = self.run_dir / "events" / f"replica-{replica_id}-rank-{rank}.jsonl"
+        return list(read_events(path)) if path.exists() else []
+
+    def committed(self, replica_id: int) -> list[worker_events.StepCommitted]:
+        return [e for e in self.events(replica_id)
+                if isinstance(e, worker_events.StepCommitted)]
+
+    def last_committed_step(self, replica_id: int) -> int:
+        return max((e.step for e in self.committed(replica_id)), default=-1)
+
+    def finals(self) -> dict[int, dict[str, object]]:
+        return {r: json.loads((self.run_dir / "final" / f"replica-{r}-rank-0.json").read_text())
+                for r in range(self.replicas)}
+
+    def log(self, replica_id: int) -> str:
+        return (self.run_dir / f"replica-{replica_id}.log").read_text(errors="replace")
