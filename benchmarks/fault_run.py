@@ -29,9 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.worker.audit import AuditError, check_exactly_once  # noqa: E402
-from launcher.worker.events import StepCommitted  # noqa: E402
-from launcher.worker.local import LocalJob  # noqa: E402
+from launcher.worker.audit import AuditError, check_exactly_once
+from launcher.worker.events import StepCommitted
+from launcher.worker.local import LocalJob
 
 TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"
 CONFIG = {

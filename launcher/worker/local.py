@@ -16,9 +16,15 @@ from ftcore.events import Event, read_events
 from ftcore.ids import new_job_secret
 
 from . import events as worker_events
-from .identity import (ENV_HOST, ENV_JOB_ID, ENV_NUM_REPLICAS, ENV_REPLICA_ID, ENV_RUN_DIR,
-                       ENV_SECRET)
 from .faults import ENV_INJECT
+from .identity import (
+    ENV_HOST,
+    ENV_JOB_ID,
+    ENV_NUM_REPLICAS,
+    ENV_REPLICA_ID,
+    ENV_RUN_DIR,
+    ENV_SECRET,
+)
 
 
 @dataclass

@@ -9,9 +9,8 @@ import signal
 
 import pytest
 
-from tests.waiting import wait_until
-
 from launcher.worker.local import LocalJob
+from tests.waiting import wait_until
 
 from .harness import check_run, loopback_job, max_gap
 
