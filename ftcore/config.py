@@ -180,6 +180,24 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    """The launcher's recovery controller."""
+
+    lost_timeout: float = 10.0       # a running replica without a commit this long is lost
+    start_timeout: float = 300.0     # a (re)started replica gets this long to commit a step
+    retries_in_place: int = 1        # crashes without a known cause retried on the same nodes
+    finish_grace: float = 60.0       # after one replica finished, the others get this long
+    poll_interval: float = 0.2
+
+    def problems(self) -> Iterable[tuple[str, str]]:
+        for name in ("lost_timeout", "start_timeout", "finish_grace", "poll_interval"):
+            if getattr(self, name) <= 0:
+                yield name, "must be a positive number of seconds"
+        if self.retries_in_place < 0:
+            yield "retries_in_place", "must be 0 or more"
+
+
+@dataclass(frozen=True)
 class HealthConfig:
     """Node checks and runtime inspection."""
 
@@ -229,6 +247,7 @@ class Config:
     ftar: FtarConfig = field(default_factory=FtarConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -14,15 +14,22 @@ import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
-from ftcore.config import Config, load_config
+from ftcore.config import Config, load_config, save_config
 from ftcore.errors import ExitCode, FtError, TerminalAbort, UsageError
+from ftcore.events import EventLog, RunStarted
+from ftcore.ids import new_job_secret
 from ftcore.logs import configure_logging
 from ftcore.slurm.allocation import Allocation
+from ftcore.slurm.client import SlurmCli
 from ftcore.slurm.hostlist import compress, expand
 
 from .ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_size
 from .plan import LaunchPlan, plan_allocation
+from .report import status_text, summarize
+from .supervisor import Supervisor
+from .worker.identity import ENV_CONFIG, ENV_JOB_ID, ENV_NUM_REPLICAS, ENV_RUN_DIR, ENV_SECRET
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print a bash script that starts every step and waits for all")
     plan.add_argument("train_command", nargs=argparse.REMAINDER,
                       help="-- then the training command each rank runs")
+    run = sub.add_parser(
+        "run", help="run training: one job step per replica, warm standby, recovery",
+        description="Inside an allocation (sbatch --no-kill): plan replicas and standby "
+                    "nodes, launch one srun step per replica and a warm standby agent per "
+                    "standby node, and recover from faults without requeueing. Writes "
+                    "<run.log_dir>/<job id>/: config.toml, controller.jsonl, events/, logs/, "
+                    "summary.json.")
+    _add_job_flags(run)
+    run.add_argument("train_command", nargs=argparse.REMAINDER,
+                     help="-- then the training command each rank runs")
+
+    status = sub.add_parser("status", help="replicas, nodes, steps, standby pool, events",
+                            description="Read a run directory and show where it stands.")
+    status.add_argument("run_dir", type=Path, nargs="?",
+                        help="run directory (default: <run.log_dir>/$SLURM_JOB_ID)")
+    status.add_argument("--summary", action="store_true", help="print the run summary (JSON)")
+
     size = sub.add_parser(
         "standby-size", help="how many warm standby nodes to hold (binomial percentile)",
         description="Warm standby count = the chosen percentile of concurrent machine failures "
@@ -99,8 +123,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 
 def command_plan(args: argparse.Namespace, config: Config) -> int:
-    command = tuple(args.train_command[1:] if args.train_command[:1] == ["--"]
-                    else args.train_command)
+    command = _train_command(args)
     if args.nodelist:
         nodes, job_id, batch_host = tuple(expand(args.nodelist)), None, None
     else:
@@ -141,6 +164,54 @@ def render_shell(plan: LaunchPlan, extra_args: tuple[str, ...] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def command_run(args: argparse.Namespace, config: Config) -> int:
+    command = _train_command(args)
+    allocation = Allocation.from_env(os.environ)
+    plan = plan_allocation(allocation.nodes, config.job, command, job_id=allocation.job_id,
+                           batch_host=allocation.batch_host)
+    run_dir = (Path(config.run.log_dir) / allocation.job_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    config_path = save_config(config, run_dir)
+    worker_env = {ENV_JOB_ID: allocation.job_id, ENV_NUM_REPLICAS: str(config.job.replicas),
+                  ENV_RUN_DIR: str(run_dir), ENV_SECRET: new_job_secret(),
+                  ENV_CONFIG: str(config_path)}
+    configure_logging(args.log_level, run_dir / "controller.log")
+    log.info("run %s: %s", run_dir, render_plan(plan, config.slurm.srun_extra_args))
+    slurm = SlurmCli(config.slurm.command_timeout)
+    with EventLog(run_dir / "controller.jsonl") as events:
+        events.emit(RunStarted(job_id=allocation.job_id, replicas=config.job.replicas,
+                               nodes=list(allocation.nodes)))
+        code = Supervisor(config, plan, slurm, run_dir, worker_env, events).run()
+    try:
+        summary = summarize(run_dir)
+        (run_dir / "summary.json").write_text(summary.to_json() + "\n")
+        sys.stdout.write(f"summary ({run_dir / 'summary.json'}):\n{summary.to_json()}\n")
+    except ValueError as error:
+        log.warning("no summary: %s", error)
+    return code
+
+
+def command_status(args: argparse.Namespace, config: Config) -> int:
+    run_dir = args.run_dir
+    if run_dir is None:
+        job_id = os.environ.get("SLURM_JOB_ID")
+        if not job_id:
+            raise UsageError("which run?", hint="give the run directory, or run inside the job")
+        run_dir = Path(config.run.log_dir) / job_id
+    if not (run_dir / "controller.jsonl").exists():
+        raise UsageError(f"{run_dir} is not an ft-launch run directory (no controller.jsonl)")
+    if args.summary:
+        sys.stdout.write(summarize(run_dir).to_json() + "\n")
+    else:
+        sys.stdout.write(status_text(run_dir))
+    return ExitCode.OK
+
+
+def _train_command(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(args.train_command[1:] if args.train_command[:1] == ["--"]
+                 else args.train_command)
+
+
 def command_standby_size(args: argparse.Namespace, config: Config) -> int:
     if args.machines < 1 or not 0 <= args.daily_failure_rate < 1 or args.window <= 0:
         raise UsageError("need --machines >= 1, 0 <= --daily-failure-rate < 1, --window > 0")
@@ -173,7 +244,8 @@ def command_standby_size(args: argparse.Namespace, config: Config) -> int:
     return ExitCode.OK
 
 
-COMMANDS = {"plan": command_plan, "standby-size": command_standby_size}
+COMMANDS = {"plan": command_plan, "run": command_run, "status": command_status,
+            "standby-size": command_standby_size}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

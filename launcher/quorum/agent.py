@@ -40,7 +40,9 @@ class QuorumAgent:
     per-job secret (``ftcore.ids.new_job_secret()``) that authenticates every
     message. ``incarnation`` must grow when a replica is replaced (default: the
     wall clock in ns at construction). ``electable=False`` makes a member that
-    votes and joins but never stands for leader.
+    votes and joins but never stands for leader. The replay window
+    (``config.max_message_age``) and the election slot come from ``config``;
+    ``config.peer_dir`` is the launcher's business (it builds ``directory``).
     """
 
     def __init__(self, replica_id: int, replica_ids: Iterable[int],
@@ -48,8 +50,7 @@ class QuorumAgent:
                  config: QuorumConfig | None = None, *, job_id: str = "",
                  host: str = "127.0.0.1", incarnation: int | None = None,
                  loop: AgentLoop | None = None, event_log: EventLog | None = None,
-                 seed: int | None = None, max_message_age: float = 30.0,
-                 electable: bool = True) -> None:
+                 seed: int | None = None, electable: bool = True) -> None:
         self.config = config or QuorumConfig()
         for key, problem in self.config.problems():
             raise ConfigError(f"{problem} (got {getattr(self.config, key)!r})",
@@ -70,7 +71,8 @@ class QuorumAgent:
             params=QuorumParams.from_config(self.config, len(voters)), host=host,
             port=self.config.port, incarnation=incarnation or time.time_ns(),
             seed=random.SystemRandom().getrandbits(62) if seed is None else seed,
-            on_answer=self._on_answer, max_age=max_message_age, electable=electable)
+            on_answer=self._on_answer, max_age=self.config.max_message_age,
+            electable=electable)
         self._event_log = event_log
         self._lock = threading.Lock()
         self._subscribers: list[Subscriber] = []

@@ -18,12 +18,14 @@ from .model import (
     JoinFailure,
     JoinRequested,
     QuorumAnnounced,
+    QuorumDeltaAnnounced,
     QuorumParams,
     TimeoutNow,
     VoteAnswered,
     VoteRequested,
     evolve,
 )
+from .pmap import with_item
 from .state import (
     NEVER,
     Action,
@@ -33,6 +35,7 @@ from .state import (
     LeadershipTransferRequested,
     Membership,
     MessageReceived,
+    MessagesReceived,
     QuorumRequested,
     QuorumState,
 )
@@ -63,6 +66,11 @@ def decide(state: QuorumState, event: Input, now: float) -> Outcome:
     before = state
     if isinstance(event, MessageReceived):
         state, actions = _on_message(state, event.sender, event.message, now)
+    elif isinstance(event, MessagesReceived):
+        actions = []
+        for received in event.messages:
+            state, more = _on_message(state, received.sender, received.message, now)
+            actions += more
     elif isinstance(event, QuorumRequested):
         state, actions = _on_request(state, event, now)
     elif isinstance(event, CommitFailureReported):
@@ -94,9 +102,8 @@ def _on_message(s: QuorumState, sender: int, message: object, now: float) -> Out
         return s, []
     if s.heard.get(sender, NEVER) < now - _HEARD_RESOLUTION:
         # Liveness is judged at the scale of member_timeout: refreshing the
-        # timestamp at most every 50 ms spares the leader a copy of a
-        # 1,000-entry mapping for each of a round's 1,000 joins.
-        s = evolve(s, heard={**s.heard, sender: now})
+        # timestamp at most every 50 ms spares most updates altogether.
+        s = evolve(s, heard=with_item(s.heard, sender, now))
     if isinstance(message, Heartbeat):
         return election.on_heartbeat(s, sender, message, now)
     if isinstance(message, JoinRequested):
@@ -105,11 +112,14 @@ def _on_message(s: QuorumState, sender: int, message: object, now: float) -> Out
         return s, actions + more
     if isinstance(message, HeartbeatAcked):
         return election.adopt_term(s, message.term, now)
-    if isinstance(message, QuorumAnnounced):
+    if isinstance(message, (QuorumAnnounced, QuorumDeltaAnnounced)):
         s, actions = election.on_leader_contact(s, sender, message.term, now)
         if s.leader_id != sender:
             return s, actions
-        s, more = formation.on_announce(s, message)
+        if isinstance(message, QuorumAnnounced):
+            s, more = formation.on_announce(s, message)
+        else:
+            s, more = formation.on_delta(s, message, now)
         return s, actions + more
     if isinstance(message, VoteRequested):
         return election.on_vote_requested(s, sender, message, now)

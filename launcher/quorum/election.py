@@ -253,9 +253,14 @@ def leader_tick(s: QuorumState, now: float) -> Outcome:
     if lost or recovered:
         actions.append(NotifyLivenessChanged(lost, recovered))
     suspects = tuple(sorted(s.voters - fresh))
-    actions.append(Send(s.others, Heartbeat(e.term, suspects)))
+    lead = s.leadership
+    to = s.others
+    if suspects == lead.suspects_sent:
+        to = tuple(p for p in to if p not in lead.contacted)
+    if to:
+        actions.append(Send(to, Heartbeat(e.term, suspects)))
     election = evolve(e, heartbeat_due=now + s.params.heartbeat_interval)
-    leadership = evolve(s.leadership, live=fresh)
+    leadership = evolve(lead, live=fresh, contacted=frozenset(), suspects_sent=suspects)
     return evolve(s, election=election, leadership=leadership), actions
 
 

@@ -17,7 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from .model import Health, JoinRequested, Quorum, QuorumAnnounced, QuorumMember, Role, evolve
+from .delta import answers, compact, expand
+from .model import (
+    Health,
+    JoinRequested,
+    Quorum,
+    QuorumAnnounced,
+    QuorumDeltaAnnounced,
+    QuorumMember,
+    Role,
+    evolve,
+)
+from .pmap import with_item
 from .state import (
     NEVER,
     Action,
@@ -49,8 +60,7 @@ def on_join(s: QuorumState, sender: int, join: JoinRequested, now: float) -> Out
             return s, [Send((sender,), last)]
         return s, []
     current = lead.round or Round(opened_at=now, joins={})
-    joins = dict(current.joins)
-    joins[sender] = join
+    joins = with_item(current.joins, sender, join)
     s = evolve(s, leadership=evolve(lead, round=Round(current.opened_at, joins)))
     return try_form(s, now)
 
@@ -84,21 +94,35 @@ def form(s: QuorumState, joined: Mapping[int, JoinRequested], now: float) -> Out
     admitted = {m: j for m, j in joined.items() if j.health is not Health.UNHEALTHY}
     members = tuple(QuorumMember(m, j.next_step, j.address, j.health)
                     for m, j in sorted(admitted.items()))
-    quorum_id = next_quorum_id(previous_quorum(s), members, admitted.values(), s.term)
+    base = previous_quorum(s)
+    quorum_id = next_quorum_id(base, members, admitted.values(), s.term)
     quorum = Quorum.of(quorum_id, members, term=s.term, leader_id=s.me)
     answered = {m: j.join_seq for m, j in joined.items()}
     announce = QuorumAnnounced(s.term, quorum, answered)
     answered_seq = {**lead.answered_seq, **answered}
-    s = evolve(s, leadership=evolve(lead, round=None, answered_seq=answered_seq,
-                                      last_announce=announce, last_formed=quorum))
-    actions: list[Action] = [NotifyQuorumFormed(quorum, now - opened_at)]
     recipients = tuple(m for m in sorted(joined) if m != s.me)
-    if recipients:
-        actions.append(Send(recipients, announce))
+    s = evolve(s, leadership=evolve(lead, round=None, answered_seq=answered_seq,
+                                      last_announce=announce, last_formed=quorum,
+                                      contacted=lead.contacted.union(recipients)))
+    actions: list[Action] = [NotifyQuorumFormed(quorum, now - opened_at)]
+    actions += announcements(announce, base, recipients, joined)
     if s.me in joined:
         s, more = on_announce(s, announce)
         actions += more
     return s, actions
+
+
+def announcements(announce: QuorumAnnounced, base: Quorum | None,
+                  recipients: tuple[int, ...], joined: Mapping[int, JoinRequested]
+                  ) -> list[Action]:
+    """The compact form to recipients that hold ``base`` (when the roster is
+    unchanged), the full form to the others; each one signed broadcast."""
+    delta = compact(announce, base) if base is not None and recipients else None
+    if delta is None:
+        return [Send(recipients, announce)] if recipients else []
+    holding = tuple(m for m in recipients if joined[m].last_quorum_id == base.quorum_id)  # type: ignore[union-attr]
+    rest = tuple(m for m in recipients if joined[m].last_quorum_id != base.quorum_id)  # type: ignore[union-attr]
+    return [Send(to, message) for to, message in ((holding, delta), (rest, announce)) if to]
 
 
 def previous_quorum(s: QuorumState) -> Quorum | None:
@@ -174,9 +198,29 @@ def on_announce(s: QuorumState, announce: QuorumAnnounced) -> Outcome:
     m = s.member
     if m.request is None or announce.answered.get(s.me) != m.request.join_seq:
         return s, []
+    return deliver(s, announce.quorum)
+
+
+def on_delta(s: QuorumState, delta: QuorumDeltaAnnounced, now: float) -> Outcome:
+    """A compact answer: expand it on the last quorum, or ask again for the
+    full one (the leader repeats an answered bid in full) if the roster we
+    hold is not the one it refers to."""
+    m = s.member
+    base = m.last_quorum
+    if m.request is None:
+        return s, []
+    if base is None or base.digest != delta.digest:
+        return send_request(s, now)
+    if not answers(delta, base, s.me, m.request.join_seq):
+        return s, []
+    return deliver(s, expand(delta, base))
+
+
+def deliver(s: QuorumState, quorum: Quorum) -> Outcome:
+    m = s.member
     s = evolve(s, member=Membership(join_seq=m.join_seq, commit_failed=m.commit_failed,
-                                     last_quorum=announce.quorum))
-    return s, [DeliverQuorum(announce.quorum)]
+                                     last_quorum=quorum))
+    return s, [DeliverQuorum(quorum)]
 
 
 # --------------------------------------------------------------------------- timers

@@ -8,19 +8,13 @@ pure core (``election``, ``formation``, ``core``) and the shell (``wire``,
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeVar
 
 from ftcore.config import QuorumConfig
-
-#: Expected time for one candidate to reach every voter and hear back. The random
-#: part of the election timeout is stretched to ``voters * ELECTION_SLOT`` when that
-#: is longer than ``election_timeout``, so that about one timer fires per slot even
-#: with 1,000 voters (Raft's split-vote argument needs the spread of the timers to
-#: be large against one broadcast). The *first* timer still fires after about
-#: ``election_timeout + spread / voters``, so failover does not get slower with N.
-ELECTION_SLOT = 0.02
 
 T = TypeVar("T")
 
@@ -90,17 +84,42 @@ class Quorum:
         behind = tuple(m.replica_id for m in ordered if m.next_step < max_step)
         return cls(quorum_id, ordered, max_step, behind, term, leader_id)
 
-    @property
+    # Derived views, computed once per object: agents hosted in one process
+    # share the decoded quorum, so 333 of them must not each walk 1,000
+    # members. (A ``Quorum`` is never ``evolve``d, which would copy them.)
+    @cached_property
     def replica_ids(self) -> tuple[int, ...]:
         return tuple(m.replica_id for m in self.members)
 
+    @cached_property
+    def index_of(self) -> Mapping[int, int]:
+        """Position of each member's replica id in ``members``."""
+        return {r: i for i, r in enumerate(self.replica_ids)}
+
+    @cached_property
+    def roster(self) -> tuple[tuple[int, str, Health], ...]:
+        """Who the members are, without their steps: ``(replica_id, address,
+        health)``. A compact announcement may only refer to a roster the
+        recipient already holds (see ``QuorumDeltaAnnounced``)."""
+        return tuple((m.replica_id, m.address, m.health) for m in self.members)
+
+    @cached_property
+    def digest(self) -> bytes:
+        """A 16-byte BLAKE2b digest of ``roster``."""
+        parts = [f"{r}\x00{h.value}\x00{len(a)}\x00{a}" for r, a, h in self.roster]
+        return hashlib.blake2b("\x01".join(parts).encode(), digest_size=16).digest()
+
     def includes(self, replica_id: int) -> bool:
-        return any(m.replica_id == replica_id for m in self.members)
+        return replica_id in self.index_of
 
     def membership(self) -> frozenset[tuple[int, str]]:
         """What identifies the membership: a replaced replica (same id, new
         address) is a change, because the all-reduce ring must reconnect."""
-        return frozenset((m.replica_id, m.address) for m in self.members)
+        return self._membership
+
+    @cached_property
+    def _membership(self) -> frozenset[tuple[int, str]]:
+        return frozenset((r, a) for r, a, _ in self.roster)
 
 
 # --------------------------------------------------------------------------- wire messages
@@ -170,8 +189,37 @@ class QuorumAnnounced:
     answered: Mapping[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class QuorumDeltaAnnounced:
+    """The leader's compact answer to one round, sent to members whose last
+    quorum has the same roster as this one (ids, addresses, health): a few
+    hundred bytes instead of every member's address, which at 1,000 members
+    (each advertising its ranks' endpoints) is tens of kilobytes to megabytes.
+
+    The quorum is ``roster`` (known by its ``digest``) with every member at
+    ``max_step`` except ``behind`` (``(replica_id, next_step)``). ``seqs[i]``
+    is the ``join_seq`` answered for the i-th member of the roster, modulo
+    2**32: a stale answer could only be mistaken for a current one after 2**32
+    requests of that member within ``max_message_age``. ``others`` answers
+    joiners that were not admitted (unhealthy), with their full ``join_seq``.
+    A member whose last quorum has another digest asks again and gets the full
+    ``QuorumAnnounced``.
+    """
+
+    term: int
+    quorum_id: int
+    leader_id: int
+    max_step: int
+    digest: bytes
+    behind: tuple[tuple[int, int], ...] = ()
+    seqs: tuple[int, ...] = ()
+    others: Mapping[int, int] = field(default_factory=dict)
+
+
+SEQ_MASK = 0xFFFFFFFF
+
 Message = (VoteRequested | VoteAnswered | Heartbeat | HeartbeatAcked | TimeoutNow |
-           JoinRequested | QuorumAnnounced)
+           JoinRequested | QuorumAnnounced | QuorumDeltaAnnounced)
 
 
 # --------------------------------------------------------------------------- timing
@@ -199,7 +247,14 @@ class QuorumParams:
             join_timeout=config.join_timeout,
             heartbeat_interval=config.heartbeat_interval,
             election_timeout=config.election_timeout,
-            election_spread=max(config.election_timeout, voters * ELECTION_SLOT),
+            # Raft's split-vote argument needs the spread of the timers to be
+            # large against one broadcast: with ``election_slot`` the expected
+            # time for one candidate to reach every voter and hear back, the
+            # random part is stretched to ``voters * election_slot`` so that about
+            # one timer fires per slot even with 1,000 voters. The *first* timer
+            # still fires after about ``election_timeout + spread / voters``, so
+            # failover does not get slower with N.
+            election_spread=max(config.election_timeout, voters * config.election_slot),
             member_timeout=config.member_timeout,
             ack_interval=max(config.heartbeat_interval, config.member_timeout / 4),
         )

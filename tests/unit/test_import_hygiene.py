@@ -6,7 +6,9 @@ import sys
 import pytest
 
 CONTROL_PLANE = ["ftcore.config", "ftcore.errors", "ftcore.events", "ftcore.slurm.client",
-                 "ftcore.slurm.parse", "launcher.cli", "launcher.plan"]
+                 "ftcore.slurm.parse", "launcher.cli", "launcher.plan", "launcher.supervisor",
+                 "launcher.recovery", "launcher.report", "launcher.standby",
+                 "launcher.quorum", "launcher.worker.manager"]
 
 
 @pytest.mark.parametrize("module", CONTROL_PLANE)

@@ -1,0 +1,67 @@
+"""The controller's events (JSON lines in ``<run_dir>/controller.jsonl``), and a
+reader that follows the workers' event files as they grow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftcore.events import Event, event_from_json
+
+
+@dataclass(frozen=True)
+class ReplicaLaunched(Event):
+    replica_id: int
+    nodes: list[str]
+    how: str            # "initial" | "retry" | "relaunch" | "promoted" | "restart"
+
+
+@dataclass(frozen=True)
+class ReplicaExited(Event):
+    replica_id: int
+    exit_code: int
+
+
+@dataclass(frozen=True)
+class NodeFaultDetected(Event):
+    node: str
+    replica_id: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class StandbyPromoted(Event):
+    replica_id: int
+    node: str
+
+
+@dataclass(frozen=True)
+class RunFinished(Event):
+    exit_code: int
+    reason: str
+
+
+class EventTail:
+    """New complete lines of a JSON-lines file since the last call (a line still
+    being written is left for the next call)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> list[Event]:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        events = []
+        for line in complete.decode("utf-8").splitlines():
+            try:
+                events.append(event_from_json(line))
+            except ValueError:
+                continue  # an event type this reader does not know: not ours to act on
+        return events

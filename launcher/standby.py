@@ -1,0 +1,92 @@
+"""The warm standby agent: one job step per standby node.
+
+    python -m launcher.standby --run-dir DIR --node NODE -- python train.py ...
+
+The controller starts it behind the step-level health gate (``python -m
+slurm_plugins.gate -- python -m launcher.standby ...``), so it runs only on a node
+that passed the gate's checks. It imports what the training
+script needs (torch: seconds saved at promotion), writes ``standby/NODE.ready``
+and then waits, cheaply, for ``standby/NODE.activate`` (written atomically by
+the controller, naming the replica to become). On activation it runs the
+training script *in this process* (so the imports stay warm) as that replica.
+The wait is bounded by the step: the controller cancels unused standbys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+from ftcore.errors import ExitCode
+from ftcore.files import atomic_write_text
+from ftcore.logs import configure_logging
+
+log = logging.getLogger("launcher.standby")
+POLL_INTERVAL = 0.02
+
+
+def standby_dir(run_dir: Path) -> Path:
+    return run_dir / "standby"
+
+
+def activation_file(run_dir: Path, node: str) -> Path:
+    return standby_dir(run_dir) / f"{node}.activate"
+
+
+def ready_file(run_dir: Path, node: str) -> Path:
+    return standby_dir(run_dir) / f"{node}.ready"
+
+
+def activate(run_dir: Path, node: str, env: dict[str, str]) -> None:
+    """Controller side: hand ``node``'s agent its replica identity."""
+    atomic_write_text(activation_file(run_dir, node), json.dumps({"env": env}))
+
+
+def is_python(command: list[str]) -> bool:
+    return bool(command) and Path(command[0]).name.startswith("python") and len(command) > 1 \
+        and command[1].endswith(".py")
+
+
+def warm_up(command: list[str]) -> None:
+    """Import what a PyTorch training script imports first (the slow part of a start)."""
+    if is_python(command):
+        import torch  # noqa: F401  (warm: kept for the in-process run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.standby", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--node", required=True)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    configure_logging("INFO")
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    started = time.monotonic()
+    warm_up(command)
+    atomic_write_text(ready_file(args.run_dir, args.node),
+                      json.dumps({"warm_s": time.monotonic() - started, "pid": os.getpid()}))
+    log.info("standby %s warm after %.2f s; waiting for activation", args.node,
+             time.monotonic() - started)
+    activation = activation_file(args.run_dir, args.node)
+    while not activation.exists():
+        time.sleep(POLL_INTERVAL)  # an idle wait for an external event, cancelled by scancel
+    order = json.loads(activation.read_text())
+    os.environ.update(order["env"])
+    log.info("standby %s promoted: %s", args.node, order["env"])
+    if is_python(command):
+        sys.argv = command[1:]
+        runpy.run_path(command[1], run_name="__main__")
+        return ExitCode.OK
+    os.execvp(command[0], command)
+    return ExitCode.FATAL_NO_REQUEUE  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

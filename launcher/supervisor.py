@@ -1,0 +1,299 @@
+"""``ft-launch run``'s thin shell: launch one job step per replica and a warm
+standby agent per standby node, watch them, and carry out what
+``recovery.decide`` orders (srun, scancel, scontrol). Never imports torch.
+
+Watching:
+* a replica's srun exits: finished (0), node unhealthy (76, from the gate) or
+  crashed (anything else);
+* a replica stops committing steps while the others go on (``lost_timeout``),
+  or Slurm reports its node DOWN / not responding: the node is at fault;
+* progress comes from the replicas' own event files (``events/``).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftcore.config import Config
+from ftcore.errors import ExitCode, SlurmCommandError
+from ftcore.events import EventLog, NodeDrained
+from ftcore.slurm.client import SlurmBackend
+from ftcore.slurm.commands import StepSpec
+from ftcore.slurm.states import Disposition, node_disposition
+
+from . import recovery as rc
+from .events import (
+    EventTail,
+    NodeFaultDetected,
+    ReplicaExited,
+    ReplicaLaunched,
+    RunFinished,
+    StandbyPromoted,
+)
+from .plan import LaunchPlan, replica_step_spec
+from .standby import activate
+
+log = logging.getLogger(__name__)
+NODE_CHECK_INTERVAL = 2.0
+
+
+@dataclass
+class Watched:
+    """A running step the supervisor owns (a replica, or a standby agent)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    started: float
+
+
+@dataclass
+class Progress:
+    last_step: int = -1
+    last_time: float = field(default_factory=time.monotonic)
+
+
+class Supervisor:
+    def __init__(self, config: Config, plan: LaunchPlan, slurm: SlurmBackend, run_dir: Path,
+                 worker_env: dict[str, str], events: EventLog) -> None:
+        self.config = config
+        self.plan = plan
+        self.slurm = slurm
+        self.run_dir = run_dir
+        self.worker_env = worker_env
+        self.events = events
+        self.state = rc.RunState(
+            replicas=tuple(rc.Replica(r.replica_id, r.nodes) for r in plan.replicas),
+            standby=plan.standby, nodes_per_replica=config.job.nodes_per_replica)
+        self.policy = rc.Policy(retries_in_place=config.recovery.retries_in_place)
+        self.replicas: dict[int, Watched] = {}
+        self.standbys: dict[str, Watched] = {}
+        self.progress = {r.replica_id: Progress() for r in plan.replicas}
+        self.tails = {r.replica_id: EventTail(run_dir / "events" /
+                                              f"replica-{r.replica_id}-rank-0.jsonl")
+                      for r in plan.replicas}
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._finished_at: float | None = None
+        self._last_node_check = 0.0
+
+    # ------------------------------------------------------------------ launching
+
+    def _popen(self, spec: StepSpec, env: dict[str, str], log_name: str
+               ) -> subprocess.Popen[bytes]:
+        with (self.logs / log_name).open("ab") as out:
+            return self.slurm.launch_step(spec, env=env, stdout=out.fileno())
+
+    def launch_replica(self, replica_id: int, nodes: tuple[str, ...], how: str) -> None:
+        for node in nodes:  # a node taken over from the pool: end its standby agent
+            self._cancel_standby(node)
+        spec = replica_step_spec(self.plan, nodes, replica_id,
+                                 self.config.slurm.srun_extra_args)
+        env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
+        proc = self._popen(spec, env, f"replica-{replica_id}.log")
+        self.replicas[replica_id] = Watched(spec.name, proc, time.monotonic())
+        self.progress[replica_id].last_time = time.monotonic()
+        self.events.emit(ReplicaLaunched(replica_id=replica_id, nodes=list(nodes), how=how))
+
+    def launch_standby(self, node: str) -> None:
+        command = (sys.executable, "-m", "slurm_plugins.gate", "--",
+                   sys.executable, "-m", "launcher.standby", "--run-dir", str(self.run_dir),
+                   "--node", node, "--", *self.plan.command)
+        spec = StepSpec(nodes=(node,), command=command, tasks_per_node=self.plan.tasks_per_node,
+                        name=f"standby-{node}", job_id=self.plan.job_id,
+                        extra_args=self.config.slurm.srun_extra_args)
+        self.standbys[node] = Watched(spec.name, self._popen(spec, self.worker_env,
+                                                              f"standby-{node}.log"),
+                                      time.monotonic())
+
+    def start(self) -> None:
+        for replica in self.plan.replicas:
+            self.launch_replica(replica.replica_id, replica.nodes, "initial")
+        for node in self.plan.standby:
+            self.launch_standby(node)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        self.start()
+        try:
+            while True:
+                code = self.poll()
+                if code is not None:
+                    return code
+                time.sleep(self.config.recovery.poll_interval)
+        finally:
+            self.stop_all()
+
+    def poll(self) -> int | None:
+        """One round of watching; an exit code when the run is over."""
+        now = time.monotonic()
+        observed: list[rc.Event] = []
+        observed += self._read_progress(now)
+        observed += self._reap_exits()
+        observed += self._check_stalls(now)
+        if now - self._last_node_check > NODE_CHECK_INTERVAL:
+            self._last_node_check = now
+            observed += self._check_nodes()
+        for event in observed:
+            self.state, actions = rc.decide(self.state, event, self.policy)
+            for action in actions:
+                code = self.execute(action)
+                if code is not None:
+                    return code
+        return self._finish_code(now)
+
+    def _read_progress(self, now: float) -> list[rc.Event]:
+        found: list[rc.Event] = []
+        for replica_id, tail in self.tails.items():
+            steps = [e.step for e in tail.read() if type(e).__name__ == "StepCommitted"]
+            if steps and max(steps) > self.progress[replica_id].last_step:
+                self.progress[replica_id] = Progress(max(steps), now)
+                found.append(rc.ReplicaProgressed(replica_id))
+        return found
+
+    def _reap_exits(self) -> list[rc.Event]:
+        found: list[rc.Event] = []
+        for replica_id, watched in list(self.replicas.items()):
+            code = watched.proc.poll()
+            if code is None:
+                continue
+            del self.replicas[replica_id]
+            self.events.emit(ReplicaExited(replica_id=replica_id, exit_code=code))
+            log.info("replica %d exited with %d", replica_id, code)
+            if code == 0:
+                found.append(rc.ReplicaFinished(replica_id))
+            elif code == ExitCode.NODE_UNHEALTHY:
+                node = self.state.replica(replica_id).nodes[0]
+                found.append(self._fault(replica_id, node, "health gate failed"))
+            else:
+                found.append(rc.ReplicaCrashed(replica_id, code))
+        for node, watched in list(self.standbys.items()):
+            code = watched.proc.poll()
+            if code is not None:
+                del self.standbys[node]
+                if node in self.state.standby:
+                    found.append(self._fault(None, node, f"standby agent exited with {code}"))
+        return found
+
+    def _check_stalls(self, now: float) -> list[rc.Event]:
+        """A replica that stopped committing while another went on: its node is suspect."""
+        timeout = self.config.recovery
+        newest = max((p.last_time for p in self.progress.values()), default=now)
+        found: list[rc.Event] = []
+        for replica in self.state.replicas:
+            if replica.replica_id not in self.replicas:
+                continue
+            silent = now - self.progress[replica.replica_id].last_time
+            limit = timeout.start_timeout if replica.state is rc.ReplicaState.RECOVERING \
+                else timeout.lost_timeout
+            others_moving = now - newest < timeout.lost_timeout / 2
+            if silent > limit and (others_moving or replica.state is rc.ReplicaState.RECOVERING):
+                found.append(self._fault(replica.replica_id, replica.nodes[0],
+                                         f"replica {replica.replica_id} made no progress for "
+                                         f"{silent:.0f} s"))
+        return found
+
+    def _check_nodes(self) -> list[rc.Event]:
+        watched: dict[str, int | None] = {n: r.replica_id for r in self.state.replicas
+                                          if r.replica_id in self.replicas for n in r.nodes}
+        watched.update({n: None for n in self.standbys if n in self.state.standby})
+        try:
+            infos = self.slurm.nodes(tuple(sorted(watched)))
+        except SlurmCommandError as error:
+            log.warning("cannot read node states: %s", error)
+            return []
+        return [self._fault(watched[i.name], i.name,
+                            f"Slurm reports {i.state.value}+{'+'.join(sorted(i.flags))}")
+                for i in infos if i.name in watched
+                and node_disposition(i.state, i.flags) is Disposition.NODE_UNHEALTHY]
+
+    def _fault(self, replica_id: int | None, node: str, reason: str) -> rc.NodeFaulted:
+        self.events.emit(NodeFaultDetected(node=node, replica_id=replica_id, reason=reason))
+        log.warning("node %s at fault (replica %s): %s", node, replica_id, reason)
+        return rc.NodeFaulted(replica_id, node, reason)
+
+    def _finish_code(self, now: float) -> int | None:
+        states = [r.state for r in self.state.replicas]
+        if rc.ReplicaState.FINISHED not in states:
+            return None
+        if self._finished_at is None:
+            self._finished_at = now
+        done = all(s in (rc.ReplicaState.FINISHED, rc.ReplicaState.FAILED) for s in states)
+        if done or now - self._finished_at > self.config.recovery.finish_grace:
+            self.events.emit(RunFinished(exit_code=0, reason="training finished"))
+            return ExitCode.OK
+        return None
+
+    # ------------------------------------------------------------------ actions
+
+    def execute(self, action: rc.Action) -> int | None:
+        log.info("action: %s", action)
+        if isinstance(action, rc.EvictNode):
+            self._drain(action.node, action.reason)
+        elif isinstance(action, rc.CancelReplica):
+            self._cancel_replica(action.replica_id)
+        elif isinstance(action, rc.PromoteStandby):
+            self._promote(action.replica_id, action.node)
+        elif isinstance(action, rc.RelaunchReplica):
+            self.launch_replica(action.replica_id, action.nodes, "relaunch")
+        elif isinstance(action, rc.FullRestart):
+            for replica_id, nodes in action.placements:
+                self.launch_replica(replica_id, nodes, "restart")
+        elif isinstance(action, rc.GiveUp):
+            code = ExitCode.FATAL_NO_REQUEUE if action.fatal else ExitCode.RECOVERABLE
+            self.events.emit(RunFinished(exit_code=code, reason=action.reason))
+            log.error("giving up: %s", action.reason)
+            return code
+        return None
+
+    def _drain(self, node: str, reason: str) -> None:
+        text = f"ft-launch: {reason}"
+        try:
+            self.slurm.set_node_state(node, "drain", text)
+            self.events.emit(NodeDrained(node=node, reason=text))
+        except SlurmCommandError as error:
+            # Without operator rights: recorded, so the epilog / an admin drains it.
+            log.error("could not drain %s (%s): %s", node, text, error)
+        self._cancel_standby(node)
+
+    def _promote(self, replica_id: int, node: str) -> None:
+        watched = self.standbys.pop(node)
+        env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
+        activate(self.run_dir, node, env)
+        self.replicas[replica_id] = Watched(watched.name, watched.proc, time.monotonic())
+        self.progress[replica_id].last_time = time.monotonic()
+        self.events.emit(StandbyPromoted(replica_id=replica_id, node=node))
+        self.events.emit(ReplicaLaunched(replica_id=replica_id, nodes=[node], how="promoted"))
+
+    def _cancel_replica(self, replica_id: int) -> None:
+        watched = self.replicas.pop(replica_id, None)
+        if watched is not None:
+            self._cancel_step(watched)
+
+    def _cancel_standby(self, node: str) -> None:
+        watched = self.standbys.pop(node, None)
+        if watched is not None:
+            self._cancel_step(watched)
+
+    def _cancel_step(self, watched: Watched) -> None:
+        """scancel the step by name (its id is Slurm's), then make sure srun is gone."""
+        try:
+            for step in self.slurm.steps(self.plan.job_id or ""):
+                if step.name == watched.name:
+                    self.slurm.cancel_step(step.step)
+        except SlurmCommandError as error:
+            log.warning("scancel of %s: %s", watched.name, error)
+        if watched.proc.poll() is None:
+            watched.proc.kill()
+            watched.proc.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for replica_id in list(self.replicas):
+            self._cancel_replica(replica_id)
+        for node in list(self.standbys):
+            self._cancel_standby(node)
