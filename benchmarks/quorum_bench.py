@@ -216,7 +216,7 @@ def layout_for(members: int) -> list[tuple[int, ...]]:
 def measure_rounds(members: int, rounds: int) -> dict[str, Any]:
     # With hundreds of agents per process, only replica 0 may campaign: one
     # election among 1,000 voters all on two shared cores takes longer than the
-    # election slot it is sized for (see model.ELECTION_SLOT), and the
+    # election slot it is sized for (QuorumConfig.election_slot), and the
     # benchmark measures the rounds, not the election.
     hosts = Hosts(layout_for(members), members, electable=members <= 12)
     try:

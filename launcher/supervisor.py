@@ -37,6 +37,7 @@ from .events import (
 )
 from .plan import LaunchPlan, replica_step_spec
 from .standby import activate
+from .worker.events import StepCommitted
 
 log = logging.getLogger(__name__)
 NODE_CHECK_INTERVAL = 2.0
@@ -150,7 +151,7 @@ class Supervisor:
     def _read_progress(self, now: float) -> list[rc.Event]:
         found: list[rc.Event] = []
         for replica_id, tail in self.tails.items():
-            steps = [e.step for e in tail.read() if type(e).__name__ == "StepCommitted"]
+            steps = [e.step for e in tail.read() if isinstance(e, StepCommitted)]
             if steps and max(steps) > self.progress[replica_id].last_step:
                 self.progress[replica_id] = Progress(max(steps), now)
                 found.append(rc.ReplicaProgressed(replica_id))

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from launcher.quorum.model import Health, QuorumAnnounced, evolve
+from launcher.quorum.delta import answers, expand
+from launcher.quorum.model import Health, QuorumAnnounced, QuorumDeltaAnnounced, evolve
 from launcher.quorum.state import DeliverQuorum, QuorumRequested
 
 from .builders import (
@@ -21,6 +22,9 @@ from .builders import (
     run,
     sent,
     tick,
+)
+from .builders import (
+    quorum as quorum_of,
 )
 
 ALL = (0, 1, 2, 3, 4)
@@ -93,12 +97,21 @@ def test_formation_table(case: Case) -> None:
     assert quorum is not None
     assert quorum.replica_ids == case.expect
     assert quorum.quorum_id == case.expect_id
-    # Every joined member gets the same answer, in one signed broadcast.
+    # Every joined member gets the same answer once: compact to those holding
+    # the previous roster, in full to the others, each form one signed broadcast.
     joined = {e.sender for e in case.joins} - {0}  # type: ignore[attr-defined]
-    [announce] = sent(actions, QuorumAnnounced)
-    assert set(announce.to) == joined
-    assert announce.message.quorum == quorum
-    assert set(announce.message.answered) == joined | {0}
+    sends = sent(actions, QuorumAnnounced) + sent(actions, QuorumDeltaAnnounced)
+    assert sorted(m for send in sends for m in send.to) == sorted(joined)
+    assert len(sends) == len({type(send.message) for send in sends})
+    base = quorum_of(PREVIOUS_ID, case.previous)
+    for send in sends:
+        message = send.message
+        if isinstance(message, QuorumAnnounced):
+            assert message.quorum == quorum
+            assert set(message.answered) == joined | {0}
+        else:
+            assert expand(message, base) == quorum
+            assert all(answers(message, base, m, 1) for m in send.to)
 
 
 def test_max_step_and_behind() -> None:
