@@ -20,6 +20,7 @@ ENV_HOST = "FTLAUNCH_HOST"
 ENV_RANK = "FTLAUNCH_RANK"
 ENV_RANKS = "FTLAUNCH_RANKS"
 ENV_CONFIG = "FTLAUNCH_CONFIG"
+ENV_INCARNATION = "FTLAUNCH_INCARNATION"   # tells apart relaunches of a replica
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,11 @@ from . import events as worker_events
 from .faults import ENV_INJECT
 from .identity import (
     ENV_HOST,
+    ENV_INCARNATION,
     ENV_JOB_ID,
     ENV_NUM_REPLICAS,
+    ENV_RANK,
+    ENV_RANKS,
     ENV_REPLICA_ID,
     ENV_RUN_DIR,
     ENV_SECRET,
@@ -29,46 +32,59 @@ from .identity import (
 
 @dataclass
 class LocalJob:
-    """``replicas`` copies of ``command``, each one replica of one rank."""
+    """``replicas`` copies of ``command``, each replica ``ranks`` processes."""
 
     run_dir: Path
     replicas: int
     command: Sequence[str]
     config_env: Mapping[str, str] = field(default_factory=dict)   # FTL_* settings
+    ranks: int = 1
     secret: str = field(default_factory=new_job_secret)
-    procs: dict[int, list[subprocess.Popen[bytes]]] = field(default_factory=dict)
+    # replica -> its incarnations, each the processes of its ranks
+    procs: dict[int, list[list[subprocess.Popen[bytes]]]] = field(default_factory=dict)
 
-    def env(self, replica_id: int, inject: str) -> dict[str, str]:
+    def env(self, replica_id: int, inject: str, rank: int = 0,
+            incarnation: str = "0") -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FTL_", "FTLAUNCH_"))}
         env.update(self.config_env)
         env.update({ENV_REPLICA_ID: str(replica_id), ENV_NUM_REPLICAS: str(self.replicas),
                     ENV_RUN_DIR: str(self.run_dir), ENV_SECRET: self.secret,
                     ENV_HOST: "127.0.0.1", ENV_JOB_ID: "local", ENV_INJECT: inject,
+                    ENV_RANK: str(rank), ENV_RANKS: str(self.ranks),
+                    ENV_INCARNATION: incarnation,
                     "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
         return env
 
     def start(self, replica_id: int, inject: str = "") -> subprocess.Popen[bytes]:
+        """Start every rank of ``replica_id`` (a new incarnation); returns rank 0."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        incarnation = str(len(self.procs.get(replica_id, [])))
+        ranks = []
         with (self.run_dir / f"replica-{replica_id}.log").open("ab") as log:
-            proc = subprocess.Popen(list(self.command), env=self.env(replica_id, inject),
-                                    stdout=log, stderr=subprocess.STDOUT)
-        self.procs.setdefault(replica_id, []).append(proc)
-        return proc
+            for rank in range(self.ranks):
+                ranks.append(subprocess.Popen(
+                    list(self.command), env=self.env(replica_id, inject, rank, incarnation),
+                    stdout=log, stderr=subprocess.STDOUT))
+        self.procs.setdefault(replica_id, []).append(ranks)
+        return ranks[0]
 
     def start_all(self, injects: Mapping[int, str] | None = None) -> None:
         for replica_id in range(self.replicas):
             self.start(replica_id, (injects or {}).get(replica_id, ""))
 
     def current(self, replica_id: int) -> subprocess.Popen[bytes]:
-        return self.procs[replica_id][-1]
+        """Rank 0 of the replica's latest incarnation."""
+        return self.procs[replica_id][-1][0]
 
     def wait_all(self, timeout: float) -> dict[int, int]:
-        return {r: p[-1].wait(timeout=timeout) for r, p in self.procs.items()}
+        """Worst exit code of each replica's latest incarnation."""
+        return {r: max((p.wait(timeout=timeout) for p in incarnations[-1]), key=abs)
+                for r, incarnations in self.procs.items()}
 
     def stop_everything(self) -> None:
         """End every process this job started (resuming stopped ones first)."""
-        for procs in self.procs.values():
-            for proc in procs:
+        for incarnations in self.procs.values():
+            for proc in (p for ranks in incarnations for p in ranks):
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGCONT)
                     proc.kill()

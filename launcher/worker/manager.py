@@ -162,8 +162,7 @@ class Manager:
         self._error, self._contribution, self._catch_up = None, None, None
         while True:
             try:
-                view = self.group.broadcast(self._ask_quorum() if self.agent is not None
-                                            else None)
+                view = self._quorum_view()
                 plan = plan_step(view, self.identity.replica_id, self.identity.rank,
                                  self._quorum_id, self.next_step)
                 break
@@ -184,6 +183,21 @@ class Manager:
         self.faults.check(FaultPoint.START_STEP, plan.step)
         return plan
 
+    def _quorum_view(self) -> QuorumView:
+        """Rank 0 asks the quorum; every rank of the replica gets its answer (or error)."""
+        answer: QuorumView | str | None = None
+        if self.agent is not None:
+            try:
+                answer = self._ask_quorum()
+            except RecoverableError as error:
+                answer = str(error)
+        answer = self.group.broadcast(answer)
+        if isinstance(answer, str):
+            raise RecoverableError(answer, replica_id=self.identity.replica_id,
+                                   rank=self.identity.rank)
+        assert answer is not None
+        return answer
+
     def _ask_quorum(self) -> QuorumView:
         assert self.agent is not None
         quorum = self.agent.get_quorum(self.next_step, address=self.endpoints.encode())
@@ -203,6 +217,7 @@ class Manager:
         try:
             self.ftar.allreduce(counts, op=ReduceOp.SUM, step=plan.step)
             grads = self.state.gradients()
+            self.group.average(grads)  # inside the replica first (its ranks' batches)
             self._in_gradient_allreduce = True
             try:
                 self.ftar.allreduce(grads, op=ReduceOp.AVG, contributes=training,

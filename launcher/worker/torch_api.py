@@ -27,7 +27,7 @@ from ckpt.manifest import Bytes, Manifest
 from ckpt.torch_state import TorchStateSource, load_train_state
 from ftcore.config import Config, load_config
 
-from .identity import ENV_CONFIG, WorkerIdentity
+from .identity import ENV_CONFIG, ENV_INCARNATION, WorkerIdentity
 from .manager import Manager
 
 
@@ -84,12 +84,63 @@ class TorchTrainState:
         return load_train_state(manifest, buffer, self.model, self.optimizer).loader_state
 
 
+class TorchReplicaGroup:
+    """The ranks of one replica as a gloo process group (``ReplicaGroup``).
+
+    Rendezvous through a file store in the run directory, named by the replica's
+    incarnation (its Slurm step, or ``FTLAUNCH_INCARNATION``), so a relaunched
+    replica never meets the store of a dead one. A rank that dies takes the group
+    with it: the replica step ends and the launcher relaunches it.
+    """
+
+    def __init__(self, identity: WorkerIdentity, timeout_s: float = 300.0) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self.dist = dist
+        incarnation = (os.environ.get(ENV_INCARNATION)
+                       or f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}")
+        path = identity.run_dir / "rendezvous" / f"replica-{identity.replica_id}-{incarnation}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        store = dist.FileStore(str(path), identity.ranks)
+        dist.init_process_group("gloo", store=store, rank=identity.rank,
+                                world_size=identity.ranks,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+
+    def broadcast(self, value: Any) -> Any:
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(gathered, value)
+        return gathered
+
+    def all_true(self, flag: bool) -> bool:
+        vote = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self.dist.all_reduce(vote, op=self.dist.ReduceOp.MIN)
+        return bool(vote.item())
+
+    def average(self, array: np.ndarray) -> None:
+        """Average ``array`` in place across the replica's ranks."""
+        tensor = torch.from_numpy(array)
+        self.dist.all_reduce(tensor)
+        tensor.div_(self.dist.get_world_size())
+
+
 def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_size: int,
                config: Config | None = None, identity: WorkerIdentity | None = None
                ) -> Manager:
-    """A ``Manager`` for this worker, from the environment ``ft-launch run`` sets."""
+    """A ``Manager`` for this worker, from the environment ``ft-launch run`` sets.
+
+    ``batch_size`` is the replica's batch (all its ranks together). With several
+    ranks per replica, ranks form a gloo group for the commit vote and the quorum
+    broadcast; the training script averages gradients inside the replica (DDP or
+    ``manager.group.average``) before ``allreduce_gradients``."""
     if config is None:
         config = load_config(os.environ.get(ENV_CONFIG) or None)
-    return Manager(config, identity or WorkerIdentity.from_env(), TorchTrainState(model,
-                                                                                   optimizer),
-                   batch_size)
+    identity = identity or WorkerIdentity.from_env()
+    group = TorchReplicaGroup(identity) if identity.ranks > 1 else None
+    return Manager(config, identity, TorchTrainState(model, optimizer), batch_size, group=group)

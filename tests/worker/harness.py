@@ -23,10 +23,11 @@ TEST_CONFIG = {
 BATCH = 8
 
 
-def loopback_job(run_dir: Path, replicas: int, steps: int, size: str = "tiny") -> LocalJob:
+def loopback_job(run_dir: Path, replicas: int, steps: int, size: str = "tiny",
+                 ranks: int = 1) -> LocalJob:
     return LocalJob(run_dir, replicas,
                     [sys.executable, str(TRAIN), "--steps", str(steps), "--size", size,
-                     "--batch-size", str(BATCH), "--threads", "1"], TEST_CONFIG)
+                     "--batch-size", str(BATCH), "--threads", "1"], TEST_CONFIG, ranks=ranks)
 
 
 def check_run(job: LocalJob, steps: int) -> list[int]:

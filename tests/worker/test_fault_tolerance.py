@@ -4,6 +4,7 @@ catches up over HTTP, every replica ends bit-identical, every sample trained onc
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 
@@ -119,3 +120,19 @@ def test_hung_replica_is_dropped_then_rejoins(tmp_path):
         job.stop_everything()
     assert any(e.caught_up for e in job.committed(2))
     assert max_gap(job.events(0)) < STALL_BOUND_S
+
+
+def test_replicas_of_two_ranks_stay_identical_through_a_replica_failure(tmp_path):
+    """Ranks inside a replica: a gloo group for the quorum broadcast, the gradient
+    average and the commit vote; every rank rings with the same rank elsewhere."""
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, ranks=2)
+    job.start_all({1: "kill@after_commit:10"})
+    try:
+        kill_and_restart(job, 1, "after_commit")
+        finish_and_check(job, LONG_RUN)
+    finally:
+        job.stop_everything()
+    rank1 = [json.loads(p.read_text()) for p in (tmp_path / "final").glob("*-rank-1.json")]
+    assert len(rank1) == 3 and {f["state_sha256"] for f in rank1} == \
+        {job.finals()[0]["state_sha256"]}
+    assert any(e.caught_up for e in job.committed(1))

@@ -75,7 +75,7 @@ def main() -> int:
             loss = None
             if plan.kind is StepKind.TRAIN:
                 ids = replica_sample_ids(me.replica_id, me.num_replicas, manager.data_position,
-                                         args.batch_size)
+                                         args.batch_size)[me.rank::me.ranks]
                 tokens, targets = (torch.from_numpy(a) for a in corpus.batch(ids))
                 loss = model.loss(tokens, targets)
                 loss.backward()
