@@ -9,7 +9,6 @@ the summary. Run by ``etc/demo.sh`` after the cluster is up; root only.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,9 +17,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher import events as controller_events  # noqa: E402
-from launcher.report import commits, controller_log, status_text  # noqa: E402
-from tests.cluster import labcluster  # noqa: E402
+from launcher import events as controller_events
+from launcher.report import commits, controller_log, status_text
+from tests.cluster import labcluster
 
 STEPS = 1500
 KILL_AT_STEP = 200
@@ -79,9 +78,7 @@ def main() -> int:
     same = len({f["state_sha256"] for f in finals}) == 1
     print(f"== replicas bit-identical at the end: {same}; node {victim} drained: "
           f"{labcluster.ctl_run(['sinfo', '-h', '-n', victim, '-o', '%t %E']).stdout.strip()}")
-    labcluster.revive_node(victim)
-    subprocess.run([*labcluster.ctl_prefix(), "scontrol", "update", f"nodename={victim}",
-                    "state=resume"], env=labcluster.client_env(), check=False, timeout=30)
+    labcluster.heal_node(victim)
     return 0 if same else 1
 
 

@@ -44,19 +44,7 @@ class LabCluster:
 
     def ensure_node_up(self, node: str, timeout: float = 90) -> None:
         """Bring a node back after a fault test and wait until Slurm can use it."""
-        state = labcluster.current_state()
-        if state is not None and not labcluster.pid_alive(state.pids.get(node, -1)):
-            labcluster.revive_node(node)
-        labcluster.set_link(node, True)
-
-        def usable() -> bool:
-            (info,) = self.slurm.nodes((node,))
-            if info.state.value == "DOWN" or info.drained:
-                self.slurm.set_node_state(node, "resume")
-                return False
-            return info.state.value in ("IDLE", "MIXED", "ALLOCATED") and \
-                "NOT_RESPONDING" not in info.flags
-        wait_until(usable, timeout, f"node {node} back in service", interval=0.5)
+        labcluster.heal_node(node, timeout)
 
 
 @pytest.fixture(scope="session")

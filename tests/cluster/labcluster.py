@@ -327,6 +327,24 @@ def revive_node(node: str) -> int:
     return pid
 
 
+def heal_node(node: str, timeout: float = 90) -> None:
+    """Undo a fault test: restart the node's slurmd if it is dead, reconnect it, clear
+    DOWN / DRAIN once it responds, and wait until Slurm can use it again."""
+    state = require_state()
+    if not pid_alive(state.pids.get(node, -1)):
+        revive_node(node)
+    set_link(node, True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = ctl_run(["sinfo", "-h", "-n", node, "-o", "%t"], check=False).stdout.strip()
+        if line in ("idle", "mix", "alloc"):
+            return
+        if line and not line.endswith("*"):  # responding, but down or drained by a test
+            ctl_run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
+        time.sleep(0.5)  # polling the controller's view of the node, with a deadline
+    raise TimeoutError(f"node {node} not back in service after {timeout} s")
+
+
 def set_link(node: str, is_up: bool) -> None:
     """Partition a node from the network (link down) or heal it."""
     run("ip", "-n", netns(node), "link", "set", "eth0", "up" if is_up else "down")
@@ -430,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     for hook in ("prolog", "epilog", "healthcheck", "prolog-flags"):
         p_conf.add_argument(f"--{hook}", default="")
     p_conf.add_argument("--healthcheck-interval", type=int, default=0)
-    for verb in ("kill-node", "revive-node", "partition", "heal"):
+    for verb in ("kill-node", "revive-node", "heal-node", "partition", "heal"):
         sub.add_parser(verb).add_argument("node")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -455,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(map(str, kill_node(args.node))))
     elif args.command == "revive-node":
         print(revive_node(args.node))
+    elif args.command == "heal-node":
+        heal_node(args.node)
     elif args.command in ("partition", "heal"):
         set_link(args.node, args.command == "heal")
     return 0
