@@ -15,8 +15,9 @@ thread each) and replica 0, the only electable member (the others are
   CPU work (1,000 members' joins and answers on 2 shared cores), which in a
   job runs on 1,000 machines in parallel; so the leader's join window (first
   join arrived -> quorum formed, from its ``QuorumFormed`` event) is printed too,
-  and the CPU time all member processes spent per round (between rounds
-  included: heartbeats go on).
+  with ``formed`` (t0 -> the leader formed the quorum) and ``fan-out`` (formed
+  -> the last member has its answer), and the CPU time all member processes
+  spent per round (between rounds included: heartbeats go on).
 * messages per round: every message any agent sent during the measured
   rounds (joins, announcements, and the heartbeats/acks that fell inside),
   divided by the number of rounds.
@@ -28,6 +29,8 @@ thread each) and replica 0, the only electable member (the others are
 Hosting hundreds of agents per process means that a broadcast reaching them is
 verified and decoded once per process (the codec cache), as it would be once
 per machine in a real job. Figures taken on a shared 2-core machine are noisy.
+``shadow_bench.py`` reuses the hosts (``start_hosts``, ``round_once``, the
+``kill`` command) with worker-sized addresses (``HostSpec.ranks``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from launcher.quorum import (
     QuorumFormed,
     Role,
 )
+from launcher.worker.protocol import ReplicaEndpoints
 
 JOB = "quorum-bench"
 #: Processes that share the followers of the 100 and 1,000 member cases.
@@ -74,6 +78,19 @@ class HostSpec:
     secret: str
     directory: str
     electable: bool = True
+    #: Ranks each replica advertises in its quorum address (0: the agent's own
+    #: address), as the worker does with ``ReplicaEndpoints`` (shadow mode).
+    ranks: int = 0
+
+
+def advertised(replica_id: int, ranks: int) -> str:
+    """A replica leader's address as the worker advertises it: every rank's FTAR
+    and state-server endpoint (synthetic hosts and ports of a 100K-GPU cluster)."""
+    def endpoint(rank: int, base: int) -> tuple[str, int]:
+        node = replica_id * ranks + rank
+        return f"10.{node // 65536 % 256}.{node // 256 % 256}.{node % 256}", base + rank % 1000
+    return ReplicaEndpoints(tuple(endpoint(r, 40000) for r in range(ranks)),
+                            tuple(endpoint(r, 50000) for r in range(ranks))).encode()
 
 
 # --------------------------------------------------------------------------- host process
@@ -86,10 +103,11 @@ def host_main(conn: Any, spec: HostSpec) -> None:
     agents = [QuorumAgent(r, range(spec.replicas), directory, spec.secret, QuorumConfig(),
                           job_id=JOB, loop=loop, electable=spec.electable or r == 0)
               for r in spec.hosted]
-    windows: list[float] = []
+    addresses = {r: advertised(r, spec.ranks) if spec.ranks else None for r in spec.hosted}
+    windows: list[tuple[float, float]] = []  # (window, monotonic time formed)
     for agent in agents:
         agent.bind()
-        agent.subscribe(lambda e: windows.append(e.window_s)
+        agent.subscribe(lambda e: windows.append((e.window_s, time.monotonic()))
                         if isinstance(e, QuorumFormed) else None)
     conn.send("started")
     while True:
@@ -107,7 +125,13 @@ def host_main(conn: Any, spec: HostSpec) -> None:
             conn.send("ok")
         elif command == "round":
             windows.clear()
-            conn.send({**_round(loop, agents, *args), "windows": list(windows)})
+            conn.send({**_round(loop, agents, addresses, *args), "windows": list(windows)})
+        elif command == "kill":
+            # Stopping closes the sockets without a word: to the others it is a crash.
+            for agent in [a for a in agents if a.replica_id in args[0]]:
+                agent.stop()
+                agents.remove(agent)
+            conn.send("ok")
         elif command == "counters":
             conn.send((sum(a.stats()["sent"] for a in agents), time.process_time()))
         elif command == "stop":
@@ -117,8 +141,8 @@ def host_main(conn: Any, spec: HostSpec) -> None:
     loop.stop()
 
 
-def _round(loop: AgentLoop, agents: list[QuorumAgent], step: int, t0: float,
-           timeout: float) -> dict[str, Any]:
+def _round(loop: AgentLoop, agents: list[QuorumAgent], addresses: dict[int, str | None],
+           step: int, t0: float, timeout: float) -> dict[str, Any]:
     finished: list[float] = []
     futures: list[Future[Quorum]] = []
 
@@ -126,7 +150,7 @@ def _round(loop: AgentLoop, agents: list[QuorumAgent], step: int, t0: float,
         # From the loop thread: 333 requests from this thread would each wake
         # the loop and hand the GIL back and forth.
         for agent in agents:
-            future = agent.request_quorum(step)
+            future = agent.request_quorum(step, address=addresses[agent.replica_id])
             future.add_done_callback(lambda _f: finished.append(time.monotonic()))
             futures.append(future)
         issued.set()
@@ -136,16 +160,21 @@ def _round(loop: AgentLoop, agents: list[QuorumAgent], step: int, t0: float,
     loop.call_soon(request_all)
     issued.wait(timeout)
     wait(futures, timeout)
-    ids = {f.result().quorum_id for f in futures if f.done() and f.exception() is None}
-    return {"last": max(finished, default=float("inf")), "answered": len(finished),
-            "quorum_ids": sorted(ids)}
+    # A future wakes its waiters before it runs its callbacks (on the loop
+    # thread): a round trip through the loop lets the last ``finished`` land.
+    loop.call(lambda: None, timeout)
+    got = [f.result() for f in futures if f.done() and f.exception() is None]
+    return {"last": max(finished, default=float("inf")), "first": min(finished, default=0.0),
+            "answered": len(finished), "quorum_ids": sorted({q.quorum_id for q in got}),
+            "sizes": sorted({len(q.members) for q in got})}
 
 
 # --------------------------------------------------------------------------- coordinator
 
 
 class Hosts:
-    def __init__(self, layout: list[tuple[int, ...]], replicas: int, electable: bool) -> None:
+    def __init__(self, layout: list[tuple[int, ...]], replicas: int, electable: bool,
+                 ranks: int = 0) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="quorum-bench-")
         secret = new_job_secret()
         ctx = mp.get_context("spawn")
@@ -155,7 +184,7 @@ class Hosts:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=host_main, daemon=True,
                                args=(theirs, HostSpec(hosted, replicas, secret, self._tmp.name,
-                                                      electable)))
+                                                      electable, ranks)))
             proc.start()
             self.pipes.append(ours)
             self.procs.append(proc)
@@ -182,11 +211,15 @@ class Hosts:
         return leaders.pop() if len(leaders) == 1 and None not in leaders else None
 
     def close(self) -> None:
-        for pipe in self.pipes:
+        # The leader's host first: followers leaving under a live leader make it
+        # report (rightly, but noisily) that it lost the majority.
+        for pipe, proc in zip(self.pipes, self.procs, strict=True):
             try:
                 pipe.send(("stop",))
             except OSError:
                 pass
+            if proc is self.procs[0]:
+                proc.join(10)
         for proc in self.procs:
             proc.join(10)
             if proc.is_alive():
@@ -213,32 +246,56 @@ def layout_for(members: int) -> list[tuple[int, ...]]:
                      for i in range(0, len(followers), per_host)]
 
 
-def measure_rounds(members: int, rounds: int) -> dict[str, Any]:
+def start_hosts(members: int, ranks: int = 0) -> Hosts:
+    """Hosts with every agent started and replica 0 leading."""
     # With hundreds of agents per process, only replica 0 may campaign: one
     # election among 1,000 voters all on two shared cores takes longer than the
     # election slot it is sized for (QuorumConfig.election_slot), and the
     # benchmark measures the rounds, not the election.
-    hosts = Hosts(layout_for(members), members, electable=members <= 12)
+    hosts = Hosts(layout_for(members), members, electable=members <= 12, ranks=ranks)
     try:
         hosts.ask("begin")
         wait_for(lambda: hosts.leader() is not None, 120)
         if hosts.leader() != 0:
             hosts.ask("transfer", 0)
             wait_for(lambda: hosts.leader() == 0, 30)
+    except BaseException:
+        hosts.close()
+        raise
+    return hosts
+
+
+def round_once(hosts: Hosts, step: int, expect: int, timeout: float = 30.0
+               ) -> tuple[float, list[dict[str, Any]]]:
+    """One round from a common start; (latency, the hosts' replies)."""
+    t0 = time.monotonic() + 0.02
+    replies = hosts.ask("round", step, t0, timeout, timeout=timeout + 30)
+    if sum(r["answered"] for r in replies) != expect:
+        raise RuntimeError(f"round {step}: not every member was answered: {replies}")
+    return max(r["last"] for r in replies if r["answered"]) - t0, replies
+
+
+def measure_rounds(members: int, rounds: int, ranks: int = 0) -> dict[str, Any]:
+    hosts = start_hosts(members, ranks)
+    try:
         latencies = []
         windows = []
+        phases = []  # (t0 -> formed, formed -> first answer, formed -> last answer)
         before, before_leader = (0, 0.0), 0.0
         for step in range(rounds + 3):
             if step == 3:
                 counters = hosts.ask("counters")
                 before, before_leader = _totals(counters), counters[0][1]
-            t0 = time.monotonic() + 0.02
-            replies = hosts.ask("round", step, t0, 30.0)
-            if sum(r["answered"] for r in replies) != members:
-                raise RuntimeError(f"round {step}: not every member was answered: {replies}")
+            latency, replies = round_once(hosts, step, members)
             if step >= 3:
-                latencies.append(max(r["last"] for r in replies) - t0)
-                windows += [w for r in replies for w in r["windows"]]
+                latencies.append(latency)
+                formed = [w for r in replies for w in r["windows"]]
+                windows += [w for w, _ in formed]
+                if formed:
+                    at = formed[-1][1]
+                    first = min(r["first"] for r in replies if r["answered"])
+                    last = max(r["last"] for r in replies)
+                    phases.append((at - (last - latency), first - at, last - at))
         final = hosts.ask("counters")
         after = _totals(final)
         sent, cpu = after[0] - before[0], after[1] - before[1]
@@ -247,11 +304,15 @@ def measure_rounds(members: int, rounds: int) -> dict[str, Any]:
         hosts.close()
     latencies.sort()
     windows.sort()
+    phase_p50 = [statistics.median(p[i] for p in phases) if phases else float("nan")
+                 for i in range(3)]
     return {"members": members, "p50_ms": round(1000 * _quantile(latencies, 0.50), 2),
             "p99_ms": round(1000 * _quantile(latencies, 0.99), 2),
             "messages_per_round": round(sent / rounds, 1), "rounds": rounds,
             "leader_window_p50_ms": round(1000 * _quantile(windows, 0.50), 2),
             "cpu_ms_per_round": round(1000 * cpu / rounds, 1),
+            "formed_p50_ms": round(1000 * phase_p50[0], 2),
+            "fan_out_p50_ms": round(1000 * phase_p50[2], 2),
             "leader_cpu_ms_per_round": round(1000 * leader_cpu / rounds, 1)}
 
 
@@ -341,12 +402,14 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = []
     print(f"{'members':>8} {'p50 ms':>8} {'p99 ms':>8} {'msgs/round':>11} "
-          f"{'leader window p50 ms':>21} {'cpu ms/round':>13} {'leader cpu ms/round':>20}")
+          f"{'leader window p50 ms':>21} {'formed p50 ms':>14} {'fan-out p50 ms':>15} "
+          f"{'cpu ms/round':>13} {'leader cpu ms/round':>20}")
     for members in (int(s) for s in args.sizes.split(",")):
         case = measure_rounds(members, args.rounds)
         cases.append(case)
         print(f"{case['members']:>8} {case['p50_ms']:>8.2f} {case['p99_ms']:>8.2f} "
               f"{case['messages_per_round']:>11.1f} {case['leader_window_p50_ms']:>21.2f} "
+              f"{case['formed_p50_ms']:>14.2f} {case['fan_out_p50_ms']:>15.2f} "
               f"{case['cpu_ms_per_round']:>13.1f} {case['leader_cpu_ms_per_round']:>20.1f}",
               flush=True)
     runs = [measure_failover() for _ in range(args.failover_runs)]

@@ -59,6 +59,13 @@ def on_join(s: QuorumState, sender: int, join: JoinRequested, now: float) -> Out
         if last is not None and last.answered.get(sender) == join.join_seq and sender != s.me:
             return s, [Send((sender,), last)]
         return s, []
+    if not join.address:
+        known = lead.addresses.get(sender)
+        if known is None:
+            return s, []  # cannot happen by the member's rule; its resend is in full
+        join = evolve(join, address=known)
+    elif lead.addresses.get(sender) != join.address:
+        lead = evolve(lead, addresses=with_item(lead.addresses, sender, join.address))
     current = lead.round or Round(opened_at=now, joins={})
     joins = with_item(current.joins, sender, join)
     s = evolve(s, leadership=evolve(lead, round=Round(current.opened_at, joins)))
@@ -149,8 +156,7 @@ def next_quorum_id(previous: Quorum | None, members: tuple[QuorumMember, ...],
     latest = max([previous.quorum_id if previous else 0]
                  + [j.last_quorum_id for j in joins])
     unchanged = (previous is not None and previous.quorum_id == latest
-                 and previous.membership() == frozenset((m.replica_id, m.address)
-                                                        for m in members)
+                 and previous.same_membership(members)
                  and all(j.last_quorum_id == latest for j in joins)
                  and not any(j.commit_failed for j in joins))
     return latest if unchanged else max(latest + 1, (term - 1) * QUORUM_ID_STRIDE + 1)
@@ -167,7 +173,7 @@ def request_quorum(s: QuorumState, request: QuorumRequested, now: float) -> Outc
                          last, seq, m.commit_failed)
     s = evolve(s, member=evolve(m, request=join, join_seq=seq, commit_failed=False,
                                   sent_to=None, sent_at=NEVER))
-    return send_request(s, now)
+    return send_request(s, now, first=True)
 
 
 def report_commit_failure(s: QuorumState, now: float) -> Outcome:
@@ -179,10 +185,13 @@ def report_commit_failure(s: QuorumState, now: float) -> Outcome:
     seq = m.join_seq + 1
     join = evolve(m.request, commit_failed=True, join_seq=seq)
     s = evolve(s, member=evolve(m, request=join, join_seq=seq, sent_to=None))
-    return send_request(s, now)
+    return send_request(s, now, first=True)
 
 
-def send_request(s: QuorumState, now: float) -> Outcome:
+def send_request(s: QuorumState, now: float, *, first: bool = False) -> Outcome:
+    """Send the bid to the leader; the first send of a bid leaves out an
+    address the leader already has (kilobytes when a replica advertises its
+    ranks' endpoints, a thousand times a round); resends carry it."""
     m = s.member
     leader = s.leader_id
     if m.request is None or leader is None:
@@ -191,7 +200,20 @@ def send_request(s: QuorumState, now: float) -> Outcome:
     s = evolve(s, member=evolve(m, request=join, sent_to=leader, sent_at=now))
     if leader == s.me:
         return on_join(s, s.me, join, now)
+    if first and leader_has_address(s, join):
+        return s, [Send((leader,), evolve(join, address=""))]
     return s, [Send((leader,), join)]
+
+
+def leader_has_address(s: QuorumState, join: JoinRequested) -> bool:
+    """Our last quorum was formed by the current leader in this term with our
+    address as it is now: the leader took that address from a join of ours in
+    this term and keeps it (``Leadership.addresses``) until the term ends."""
+    last = s.member.last_quorum
+    if last is None or last.term != s.term or last.leader_id != s.leader_id:
+        return False
+    index = last.index_of.get(s.me)
+    return index is not None and last.members[index].address == join.address
 
 
 def on_announce(s: QuorumState, announce: QuorumAnnounced) -> Outcome:
@@ -211,9 +233,10 @@ def on_delta(s: QuorumState, delta: QuorumDeltaAnnounced, now: float) -> Outcome
         return s, []
     if base is None or base.digest != delta.digest:
         return send_request(s, now)
-    if not answers(delta, base, s.me, m.request.join_seq):
+    quorum = expand(delta, base)
+    if not answers(delta, quorum, s.me, m.request.join_seq):
         return s, []
-    return deliver(s, expand(delta, base))
+    return deliver(s, quorum)
 
 
 def deliver(s: QuorumState, quorum: Quorum) -> Outcome:
@@ -239,10 +262,13 @@ def on_timer(s: QuorumState, now: float) -> Outcome:
 
 
 def _resend_at(s: QuorumState) -> float:
+    """Two join windows after the last send: after one, a leader waiting for a
+    dead member closes its window and answers, and a resend at that same
+    instant would only earn every member a second, individual answer."""
     m = s.member
     if m.request is None or s.leader_id is None or s.leader_id == s.me:
         return float("inf")
-    return m.sent_at + s.params.join_timeout
+    return m.sent_at + 2 * s.params.join_timeout
 
 
 def formation_deadline(s: QuorumState, now: float) -> float:

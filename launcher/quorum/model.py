@@ -115,11 +115,15 @@ class Quorum:
     def membership(self) -> frozenset[tuple[int, str]]:
         """What identifies the membership: a replaced replica (same id, new
         address) is a change, because the all-reduce ring must reconnect."""
-        return self._membership
-
-    @cached_property
-    def _membership(self) -> frozenset[tuple[int, str]]:
         return frozenset((r, a) for r, a, _ in self.roster)
+
+    def same_membership(self, members: tuple[QuorumMember, ...]) -> bool:
+        """``membership()`` equality with ``members`` (sorted by replica id),
+        by comparison rather than hashing (addresses may be kilobytes)."""
+        roster = self.roster
+        return len(roster) == len(members) and all(
+            r == m.replica_id and a == m.address
+            for (r, a, _), m in zip(roster, members, strict=True))
 
 
 # --------------------------------------------------------------------------- wire messages
@@ -168,7 +172,9 @@ class TimeoutNow:
 @dataclass(frozen=True)
 class JoinRequested:
     """A member's bid for the next quorum: ``(replica_id, next_step, address,
-    health, quorum_id it last saw)``; ``join_seq`` matches the answer to the bid."""
+    health, quorum_id it last saw)``; ``join_seq`` matches the answer to the bid.
+    On the wire ``address`` is empty when the leader already has it (see
+    ``formation.leader_has_address``)."""
 
     term: int
     next_step: int
@@ -191,19 +197,20 @@ class QuorumAnnounced:
 
 @dataclass(frozen=True)
 class QuorumDeltaAnnounced:
-    """The leader's compact answer to one round, sent to members whose last
-    quorum has the same roster as this one (ids, addresses, health): a few
+    """The leader's compact answer to one round, sent to members that hold the
+    previous quorum (the "base", known by the ``digest`` of its roster): a few
     hundred bytes instead of every member's address, which at 1,000 members
     (each advertising its ranks' endpoints) is tens of kilobytes to megabytes.
 
-    The quorum is ``roster`` (known by its ``digest``) with every member at
-    ``max_step`` except ``behind`` (``(replica_id, next_step)``). ``seqs[i]``
-    is the ``join_seq`` answered for the i-th member of the roster, modulo
-    2**32: a stale answer could only be mistaken for a current one after 2**32
-    requests of that member within ``max_message_age``. ``others`` answers
-    joiners that were not admitted (unhealthy), with their full ``join_seq``.
-    A member whose last quorum has another digest asks again and gets the full
-    ``QuorumAnnounced``.
+    The roster is the base's without ``removed`` and with ``added`` (members
+    that are new or whose address or health changed, as ``(replica_id,
+    address, health)``); every member is at ``max_step`` except ``behind``
+    (``(replica_id, next_step)``). ``seqs[i]`` is the ``join_seq`` answered for
+    the i-th member of the new roster, modulo 2**32: a stale answer could only
+    be mistaken for a current one after 2**32 requests of that member within
+    ``max_message_age``. ``others`` answers joiners that were not admitted
+    (unhealthy), with their full ``join_seq``. A member whose last quorum has
+    another digest asks again and gets the full ``QuorumAnnounced``.
     """
 
     term: int
@@ -211,6 +218,8 @@ class QuorumDeltaAnnounced:
     leader_id: int
     max_step: int
     digest: bytes
+    removed: tuple[int, ...] = ()
+    added: tuple[tuple[int, str, Health], ...] = ()
     behind: tuple[tuple[int, int], ...] = ()
     seqs: tuple[int, ...] = ()
     others: Mapping[int, int] = field(default_factory=dict)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Mapping
+from typing import Any
 
 from .model import (
     Health,
@@ -44,7 +45,8 @@ _CODE = {h: i for i, h in enumerate(_HEALTH)}
 _JOIN = struct.Struct("!qqqBB")         # next_step, last_quorum_id, join_seq, health, failed
 _FULL = struct.Struct("!qiII")          # quorum_id, leader_id, members, answered
 _MEMBER = struct.Struct("!iqBI")        # replica_id, next_step, health, address bytes
-_DELTA = struct.Struct("!qiq16sIII")    # quorum_id, leader_id, max_step, digest, counts
+_DELTA = struct.Struct("!qiq16sIIIII")  # quorum_id, leader_id, max_step, digest, counts
+_ENTRY = struct.Struct("!iBI")          # replica_id, health, address bytes
 
 
 class _Reader:
@@ -52,14 +54,13 @@ class _Reader:
         self.data = data
         self.at = 0
 
-    def fields(self, layout: struct.Struct) -> tuple[object, ...]:
+    def fields(self, layout: struct.Struct) -> tuple[Any, ...]:
         values = layout.unpack_from(self.data, self.at)
         self.at += layout.size
         return values
 
     def array(self, code: str, count: int) -> tuple[int, ...]:
-        layout = struct.Struct(f"!{count}{code}")
-        return self.fields(layout)  # type: ignore[return-value]
+        return self.fields(struct.Struct(f"!{count}{code}"))
 
     def text(self, size: int) -> str:
         end = self.at + size
@@ -133,32 +134,42 @@ def _encode_full(message: QuorumAnnounced) -> bytes:
 def _decode_full(term: int, r: _Reader) -> QuorumAnnounced:
     quorum_id, leader_id, count, answered = r.fields(_FULL)
     members = []
-    for _ in range(count):  # type: ignore[call-overload]
+    for _ in range(count):
         replica_id, step, health, size = r.fields(_MEMBER)
-        members.append(QuorumMember(replica_id, step, r.text(size), _HEALTH[health]))  # type: ignore
-    ids, seqs = r.array("i", answered), r.array("q", answered)  # type: ignore[arg-type]
+        members.append(QuorumMember(replica_id, step, r.text(size), _HEALTH[health]))
+    ids, seqs = r.array("i", answered), r.array("q", answered)
     r.done()
-    quorum = Quorum.of(quorum_id, tuple(members), term=term, leader_id=leader_id)  # type: ignore
+    quorum = Quorum.of(quorum_id, tuple(members), term=term, leader_id=leader_id)
     return QuorumAnnounced(term, quorum, dict(zip(ids, seqs, strict=True)))
 
 
 def _encode_delta(d: QuorumDeltaAnnounced) -> bytes:
-    behind_ids = [r for r, _ in d.behind]
-    behind_steps = [s for _, s in d.behind]
-    return b"".join((
-        _DELTA.pack(d.quorum_id, d.leader_id, d.max_step, d.digest, len(d.behind),
-                    len(d.seqs), len(d.others)),
-        _array("i", behind_ids), _array("q", behind_steps), _array("I", d.seqs),
-        _array("i", list(d.others)), _array("q", list(d.others.values()))))
+    parts = [_DELTA.pack(d.quorum_id, d.leader_id, d.max_step, d.digest, len(d.removed),
+                         len(d.added), len(d.behind), len(d.seqs), len(d.others)),
+             _array("i", d.removed)]
+    for replica_id, address, health in d.added:
+        text = address.encode()
+        parts += (_ENTRY.pack(replica_id, _CODE[health], len(text)), text)
+    parts += (_array("i", [r for r, _ in d.behind]), _array("q", [s for _, s in d.behind]),
+              _array("I", d.seqs), _array("i", list(d.others)),
+              _array("q", list(d.others.values())))
+    return b"".join(parts)
 
 
 def _decode_delta(term: int, r: _Reader) -> QuorumDeltaAnnounced:
-    quorum_id, leader_id, max_step, digest, behind, seqs, others = r.fields(_DELTA)
-    behind_ids, behind_steps = r.array("i", behind), r.array("q", behind)  # type: ignore[arg-type]
-    seq_values = r.array("I", seqs)  # type: ignore[arg-type]
-    other_ids, other_seqs = r.array("i", others), r.array("q", others)  # type: ignore[arg-type]
+    (quorum_id, leader_id, max_step, digest, removed, added, behind, seqs,
+     others) = r.fields(_DELTA)
+    removed_ids = r.array("i", removed)
+    entries = []
+    for _ in range(added):
+        replica_id, health, size = r.fields(_ENTRY)
+        entries.append((replica_id, r.text(size), _HEALTH[health]))
+    behind_ids, behind_steps = r.array("i", behind), r.array("q", behind)
+    seq_values = r.array("I", seqs)
+    other_ids, other_seqs = r.array("i", others), r.array("q", others)
     r.done()
     other_map: Mapping[int, int] = dict(zip(other_ids, other_seqs, strict=True))
-    return QuorumDeltaAnnounced(term, quorum_id, leader_id, max_step, digest,  # type: ignore
+    return QuorumDeltaAnnounced(term, quorum_id, leader_id, max_step, digest,
+                                removed_ids, tuple(entries),
                                 tuple(zip(behind_ids, behind_steps, strict=True)),
                                 seq_values, other_map)

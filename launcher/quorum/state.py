@@ -187,6 +187,9 @@ class Leadership:
     #: (a third of all messages at 1,000 members) unless the suspects change.
     contacted: frozenset[int] = frozenset()
     suspects_sent: tuple[int, ...] | None = None
+    #: Each member's address from its joins of this term: a member whose last
+    #: quorum this leader formed leaves it out of its next join.
+    addresses: Mapping[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

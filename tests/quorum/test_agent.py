@@ -191,3 +191,28 @@ def test_a_failing_node_does_not_stop_its_loop() -> None:
         loop.call(lambda: loop.remove(broken))
         broken.socket.close(linger=0)
         loop.stop()
+
+
+def test_the_replay_window_comes_from_the_config() -> None:
+    import time
+
+    from launcher.quorum.model import HeartbeatAcked
+    from launcher.quorum.wire import Codec
+    secret = new_job_secret()
+    config = QuorumConfig(heartbeat_interval=0.05, election_timeout=0.4, member_timeout=1.2,
+                          join_timeout=0.6, max_message_age=5.0)
+    agent = QuorumAgent(0, range(2), StaticDirectory(), secret, config, job_id="t").start()
+    try:
+        codec = Codec(secret, "t")
+        now = time.time()
+        old = codec.seal(1, 0, 5, 1, now - 10, "tcp://127.0.0.1:9", HeartbeatAcked(0))
+        recent = codec.seal(1, 0, 5, 2, now - 3, "tcp://127.0.0.1:9", HeartbeatAcked(0))
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(agent.address)
+            for frames in (old, recent):
+                sock.send_multipart(frames)
+            wait_until(lambda: agent.stats()["received"] >= 1, 10, "the recent one")
+        assert agent.stats()["rejected_expired"] == 1  # 10 s > max_message_age = 5 s
+    finally:
+        agent.stop()

@@ -11,8 +11,10 @@ import pytest
 from launcher.quorum.core import initial_state, next_deadline
 from launcher.quorum.election import unit_draw
 from launcher.quorum.model import (
+    Health,
     Heartbeat,
     HeartbeatAcked,
+    JoinRequested,
     QuorumParams,
     Role,
     TimeoutNow,
@@ -259,12 +261,39 @@ def test_election_timeouts_are_randomised_reproducibly() -> None:
     assert all(0.5 <= d < 1.0 for d in deadlines) and len(set(deadlines)) == 5
 
 
-def test_spread_grows_with_the_replica_count() -> None:
+def test_spread_grows_with_the_replica_count_by_the_configured_slot() -> None:
     from ftcore.config import QuorumConfig
     small = QuorumParams.from_config(QuorumConfig(), 5)
     large = QuorumParams.from_config(QuorumConfig(), 1000)
     assert small.election_spread == QuorumConfig().election_timeout
-    assert large.election_spread == pytest.approx(20.0)
+    assert large.election_spread == pytest.approx(1000 * QuorumConfig().election_slot)
+    slower = QuorumParams.from_config(QuorumConfig(election_slot=0.05), 1000)
+    assert slower.election_spread == pytest.approx(50.0)
+
+
+def test_members_sent_an_announcement_get_no_heartbeat_until_suspects_change() -> None:
+    from launcher.quorum.model import QuorumAnnounced, QuorumDeltaAnnounced
+    state = leader(live=range(5), previous=range(5))
+    state, first = tick(state, NOW + PARAMS.heartbeat_interval)
+    [beat] = sent(first, Heartbeat)
+    assert beat.to == (1, 2, 3, 4)
+    joins = [QuorumRequested(11, address(0))] + [
+        got(m, JoinRequested(TERM, 11, address(m), Health.OK, 7, 1)) for m in (1, 2, 3)]
+    state, actions = run(state, joins, now=NOW + 0.15)
+    assert sent(actions, QuorumDeltaAnnounced) + sent(actions, QuorumAnnounced) == []
+    state, actions = run(state, [got(4, JoinRequested(TERM, 11, address(4), Health.OK, 7, 1))],
+                         now=NOW + 0.16)
+    assert sent(actions, QuorumDeltaAnnounced)  # 4 joined last: the round forms
+    _, quiet = tick(state, NOW + 2 * PARAMS.heartbeat_interval)
+    assert sent(quiet, Heartbeat) == []  # every member heard from it 40 ms ago
+    silent = evolve(state, heard={**state.heard, 4: NOW - 10})  # 4 is now a suspect
+    _, changed = tick(silent, NOW + 2 * PARAMS.heartbeat_interval)
+    [beat] = sent(changed, Heartbeat)
+    assert beat.to == (1, 2, 3, 4) and beat.message.suspects == (4,)
+    state, _ = tick(state, NOW + 2 * PARAMS.heartbeat_interval)
+    _, next_beat = tick(state, NOW + 3 * PARAMS.heartbeat_interval)
+    [beat] = sent(next_beat, Heartbeat)  # no round since: everyone again
+    assert beat.to == (1, 2, 3, 4)
 
 
 def test_send_actions_name_only_configured_peers() -> None:

@@ -111,7 +111,7 @@ def test_formation_table(case: Case) -> None:
             assert set(message.answered) == joined | {0}
         else:
             assert expand(message, base) == quorum
-            assert all(answers(message, base, m, 1) for m in send.to)
+            assert all(answers(message, quorum, m, 1) for m in send.to)
 
 
 def test_max_step_and_behind() -> None:
@@ -188,3 +188,13 @@ def test_commit_failure_reported_while_waiting_amends_the_bid() -> None:
     state, actions = run(state, [CommitFailureReported()])
     [amended] = [a.message for a in actions]
     assert amended.commit_failed and amended.join_seq == first.join_seq + 1
+
+
+def test_a_batch_of_joins_forms_what_one_join_at_a_time_forms() -> None:
+    from launcher.quorum.state import MessagesReceived
+    state = leader(live=ALL, previous=ALL)
+    own = QuorumRequested(10, address(0))
+    _, one_by_one = run(state, [own] + [join(m) for m in ALL[1:]])
+    _, batched = run(state, [own, MessagesReceived(tuple(join(m) for m in ALL[1:]))])
+    assert formed(one_by_one) is not None
+    assert batched == one_by_one

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from launcher.quorum.model import Health, JoinFailure, Quorum, Role, VoteRequested
-from launcher.quorum.state import QuorumRequested, Send
+from launcher.quorum.state import NotifyQuorumFormed, QuorumRequested, Send
 
 from .sim import FAST, Sim
 
@@ -128,7 +128,8 @@ def test_restarted_member_rejoins_at_a_new_address() -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_random_faults_keep_the_invariants(seed: int) -> None:
     """At most one leader per term; a quorum_id always names one membership;
-    quorum ids never go back; a delivered quorum includes its receiver."""
+    quorum ids never go back; a delivered quorum includes its receiver and is
+    exactly one a leader formed (compact answers expand to the same value)."""
     rng = random.Random(seed)
     sim = Sim(range(5), seed=seed, latency=0.002, jitter=0.01)
     leaders_by_term: dict[int, set[int]] = {}
@@ -155,6 +156,9 @@ def test_random_faults_keep_the_invariants(seed: int) -> None:
                     leaders_by_term.setdefault(s.term, set()).add(r)
     for term, leaders in leaders_by_term.items():
         assert len(leaders) == 1, f"term {term} had leaders {leaders}"
+    formed = {a.quorum for _, a in sim.actions if isinstance(a, NotifyQuorumFormed)}
+    delivered = {q for quorums in sim.delivered.values() for q in quorums}
+    assert delivered <= formed, "a member took a quorum no leader formed (bad expansion?)"
     for r, quorums in sim.delivered.items():
         ids = [q.quorum_id for q in quorums]
         assert ids == sorted(ids), f"replica {r} saw quorum ids go back: {ids}"

@@ -14,6 +14,7 @@ from launcher.quorum.model import (
     JoinRequested,
     Quorum,
     QuorumAnnounced,
+    QuorumDeltaAnnounced,
     QuorumMember,
     TimeoutNow,
     VoteAnswered,
@@ -37,6 +38,10 @@ MESSAGES = [
     QuorumAnnounced(7, Quorum.of(9, (QuorumMember(0, 12, "tcp://a:1"),
                                      QuorumMember(3, 11, "tcp://b:2", Health.DEGRADED)),
                                  term=7, leader_id=0), {0: 5, 3: 8, 4: 2}),
+    JoinRequested(6, 121, "", Health.OK, 9, 2, False),  # address left out: leader has it
+    QuorumDeltaAnnounced(7, 10, 0, 12, bytes(range(16)), removed=(2, 5),
+                         added=((3, "tcp://c:3", Health.DEGRADED),), behind=((3, 11),),
+                         seqs=(5, 4_294_967_295, 8), others={4: 1_700_000_000_000_000_002}),
 ]
 
 
@@ -113,3 +118,10 @@ def test_broadcast_is_verified_once_per_codec() -> None:
     tampered = [frames[0][:-1] + b"X", frames[1]]
     with pytest.raises(Rejected):
         codec.open(tampered)  # same mac, other bytes: verified again, and refused
+
+
+def test_the_mac_is_ftcore_sign_over_the_domain_the_job_and_the_data() -> None:
+    from ftcore.ids import sign
+    from launcher.quorum.wire import DOMAIN
+    data, mac = seal(VoteRequested(3))
+    assert mac == sign(SECRET, DOMAIN, JOB.encode(), data)

@@ -1,0 +1,44 @@
+"""Shadow mode end to end at toy scale (real agents, sockets, FTAR handshakes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .helpers import load_benchmark
+
+
+def test_growth_fit_recovers_a_power_law() -> None:
+    shadow = load_benchmark("shadow_bench")
+    a, b = shadow.fit_power([10, 100, 1000], [3 * n ** 0.5 for n in (10, 100, 1000)])
+    assert (a, b) == (pytest.approx(3.0), pytest.approx(0.5))
+
+
+def test_a_rank_decides_its_step_from_the_view_it_is_sent() -> None:
+    shadow = load_benchmark("shadow_bench")
+    full, compact = shadow.views(replicas=6, ranks=3)
+    assert len(full.members) == 6 and all(text for _, text in full.members)
+    assert [r for r, _ in compact.members] == list(range(6))
+    times = shadow.time_rank_decision(full, reps=1)
+    assert times["plan_step_ms"] > 0 and times["unpickle_ms"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_shadow_mode_measures_rounds_failures_fanout_and_rings(tmp_path: Path) -> None:
+    shadow = load_benchmark("shadow_bench")
+    out = tmp_path / "shadow.json"
+    code = shadow.main(["--replicas", "3,4", "--ranks", "4", "--rounds", "2",
+                        "--failures", "1", "--rings", "3", "--png", str(tmp_path / "c.png"),
+                        "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert (summary["replicas"], summary["ranks"]) == (4, 16)
+    assert 0 < summary["quorum_round_ms_100k_ranks"] < 10_000
+    # A crashed member is waited for until the join window closes (2 s by default).
+    assert 1.5 < summary["formation_after_failure_s_at_replicas"]["4"] < 30
+    assert summary["ring_rebuild_ms"]["3"] > 0
+    assert {r["replicas"] for r in result["rows"]} == {3, 4}
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
