@@ -1,12 +1,15 @@
 """Checkpoint benchmark (not a test): snapshot overhead, fetch, persistent write, restore.
 
-    python benchmarks/ckpt_bench.py [--json FILE] [--batch 256] [--pairs 3] [--steps 4]
+    python benchmarks/ckpt_bench.py [--json FILE] [--batch 256] [--pairs 10] [--steps 3]
+        [--variants lazy,lazy-nohelp,eager-crc,eager-sum64] [--overhead-only]
 
 A CPU training loop (~100M-parameter MLP + Adam) runs with and without a
-snapshot every step in paired, interleaved runs; then the same state is
-fetched over HTTP (against a raw-socket transfer of the same bytes), written
-to HDF5 (against torch.save), and restored from each tier. Figures on a shared
-2-core machine are noisy: compare ratios taken in one run, not absolute times.
+snapshot every step in interleaved runs, each snapshot run between two plain
+ones; samples taken while other processes used the shared CPUs are set aside
+(see ``snapshot_overhead``). Then the same state is fetched over HTTP (against
+a raw-socket transfer of the same bytes), written to HDF5 (against
+torch.save), and restored from each tier. Figures on a shared 2-core machine
+are noisy: compare ratios taken in one run, not absolute times.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -32,16 +35,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt.backup import BackupStore
-from ckpt.fetch import FETCH_STREAMS, Peer, fetch_state, push_backup
+from ckpt.fetch import Peer, fetch_state, push_backup
+from ckpt.manifest import add_checksums
 from ckpt.persist import Completeness, PersistentStore, fsync_file
 from ckpt.restore import DiskTier, MemoryTier, PeerTier, RestoreChain, Tier, TierKind
 from ckpt.serve import StateServer
-from ckpt.snapshot import WORKER_NICE, DualBufferSnapshotter
+from ckpt.snapshot import DualBufferSnapshotter
 from ckpt.torch_state import TorchStateSource
+from ftcore.config import CkptConfig
 from ftcore.ids import new_job_secret
 
 SECRET = new_job_secret()
 GB = 1e9
+DEFAULTS = CkptConfig()
 
 
 def median(values: list[float]) -> float:
@@ -65,6 +71,7 @@ class Trainer:
         self.params = sum(p.numel() for p in self.model.parameters())
 
     def run(self, steps: int, snapshotter: DualBufferSnapshotter | None) -> list[float]:
+        """Step times; baseline and snapshot runs differ only in the two snapshot calls."""
         times = []
         for _ in range(steps):
             started = time.perf_counter()
@@ -79,7 +86,7 @@ class Trainer:
                 snapshotter.start(self.step_index, self.source())
             times.append(time.perf_counter() - started)
         if snapshotter is not None:
-            snapshotter.wait_complete()
+            snapshotter.wait_complete()  # untimed: the next run starts with nothing running
         return times
 
     def source(self) -> TorchStateSource:
@@ -87,38 +94,213 @@ class Trainer:
                                 loader_state={"position": self.step_index})
 
 
-def snapshot_overhead(trainer: Trainer, snapshotter: DualBufferSnapshotter, pairs: int,
-                      steps: int) -> dict[str, Any]:
-    """Median step time without / with a snapshot every step, runs alternating."""
-    ratios, plain, snap = [], [], []
-    for pair in range(pairs):
-        order = [None, snapshotter] if pair % 2 == 0 else [snapshotter, None]
-        medians = {}
-        for mode in order:
-            # The first step of a run pays nothing for its own snapshot: drop it.
-            medians[mode is None] = median(trainer.run(steps + 1, mode)[1:])
-        plain.append(medians[True])
-        snap.append(medians[False])
-        ratios.append(medians[False] / medians[True] - 1.0)
-        print(f"  pair {pair}: plain {medians[True]:.3f} s  snapshot {medians[False]:.3f} s  "
-              f"{100 * ratios[-1]:+.1f}%", flush=True)
-    return {"overhead_pct": 100 * median(ratios), "pair_pct": [100 * r for r in ratios],
-            "step_s_plain": median(plain), "step_s_snapshot": median(snap),
-            "pooled_pct": 100 * (median(snap) / median(plain) - 1.0)}
+class ForeignLoad:
+    """Share of the machine's CPU time that other processes used during a run.
+
+    This machine is shared: ``/proc/stat`` busy time minus our own process's CPU
+    time is what everybody else (and the hypervisor, as steal) took meanwhile.
+    """
+
+    HZ = os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> Self:
+        self._busy, self._own, self._wall = _busy_seconds(), _own_seconds(), time.perf_counter()
+        self.share = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self._wall
+        foreign = (_busy_seconds() - self._busy) - (_own_seconds() - self._own)
+        self.share = max(foreign, 0.0) / (wall * (os.cpu_count() or 1))
 
 
-def snapshot_rate(trainer: Trainer, snapshotter: DualBufferSnapshotter, reps: int = 3
-                  ) -> tuple[float, float, int]:
-    """(copy + checksum GB/s, copy-only GB/s, bytes) of a snapshot taken on its own."""
-    totals, copies = [], []
+def _busy_seconds() -> float:
+    with open("/proc/stat", encoding="ascii") as handle:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, handle.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / ForeignLoad.HZ
+
+
+def _own_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+@dataclasses.dataclass
+class Run:
+    step_s: float      # median step time of the run (its first step dropped)
+    foreign: float     # share of the CPUs other processes took meanwhile
+
+
+def timed_run(trainer: Trainer, snapshotter: DualBufferSnapshotter | None, steps: int) -> Run:
+    with ForeignLoad() as load:
+        # The first step pays nothing for the snapshot of the step before: drop it.
+        times = trainer.run(steps + 1, snapshotter)[1:]
+    return Run(median(times), load.share)
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, quartiles and range of percentages, rounded for the report."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"n": 0}
+    quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else ordered * 3
+    return {"n": len(ordered), "median": round(statistics.median(ordered), 2),
+            "q1": round(quartiles[0], 2), "q3": round(quartiles[2], 2),
+            "min": round(ordered[0], 2), "max": round(ordered[-1], 2)}
+
+
+def snapshot_overhead(trainer: Trainer, variants: dict[str, DualBufferSnapshotter],
+                      pairs: int, steps: int, max_foreign: float,
+                      max_rounds: int) -> dict[str, Any]:
+    """Step time with a snapshot every step against without, per variant.
+
+    Runs alternate ``A B1 A B2 A B2 A B1 ...`` (A: no snapshot). Each B is compared
+    with the mean of the A runs either side of it, which cancels a slow drift
+    of the machine; consecutive A runs give an A/A control, the noise floor. A
+    sample counts as *clean* when other processes took less than
+    ``max_foreign`` of the CPUs during all three runs; rounds go on until every
+    variant has ``pairs`` clean samples or ``max_rounds`` is reached. The
+    figure is the median over clean samples (over all, flagged, if none).
+    """
+    clean: dict[str, list[float]] = {name: [] for name in variants}
+    every: dict[str, list[float]] = {name: [] for name in variants}
+    control: list[float] = []
+    plain_s: list[float] = []
+    snap_s: dict[str, list[float]] = {name: [] for name in variants}
+    before = timed_run(trainer, None, steps)
+    names = list(variants)
+    for round_index in range(max_rounds):
+        # Each round starts with another variant, so that none always follows the same one.
+        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+            snapshotter = variants[name]
+            with_snapshot = timed_run(trainer, snapshotter, steps)
+            after = timed_run(trainer, None, steps)
+            pct = 100 * (with_snapshot.step_s / ((before.step_s + after.step_s) / 2) - 1)
+            quiet = max(before.foreign, with_snapshot.foreign, after.foreign) < max_foreign
+            every[name].append(pct)
+            if quiet:
+                clean[name].append(pct)
+                control.append(100 * (after.step_s / before.step_s - 1))
+                plain_s += [before.step_s, after.step_s]
+                snap_s[name].append(with_snapshot.step_s)
+            print(f"  round {round_index} {name:<12} plain {before.step_s:.3f}/{after.step_s:.3f} s"
+                  f"  snapshot {with_snapshot.step_s:.3f} s  {pct:+6.1f}%  other load "
+                  f"{100 * max(before.foreign, with_snapshot.foreign, after.foreign):3.0f}%"
+                  f"{'' if quiet else '  (not counted)'}", flush=True)
+            before = after
+        if all(len(values) >= pairs for values in clean.values()):
+            break
+    return {"variants": {name: {"clean": spread(clean[name]), "all": spread(every[name]),
+                                "clean_pct": [round(v, 2) for v in clean[name]],
+                                "step_s": round(median(snap_s[name]), 3) if snap_s[name]
+                                else None, **wait_figures(snapshotter)}
+                         for name, snapshotter in variants.items()},
+            "control": spread(control),
+            "step_s_plain": round(median(plain_s), 3) if plain_s else None}
+
+
+def wait_figures(snapshotter: DualBufferSnapshotter) -> dict[str, float]:
+    """Per snapshot: seconds the training thread waited for the copy, tensors it copied."""
+    stats = snapshotter.stats
+    taken = max(stats.taken, 1)
+    return {"wait_s_per_snapshot": round(stats.wait_seconds / taken, 4),
+            "tensors_copied_while_waiting": round(stats.copied_while_waiting / taken, 1)}
+
+
+def headline(overhead: dict[str, Any], name: str) -> float:
+    """The variant's median over clean samples (over all samples if none were clean)."""
+    figures = overhead["variants"][name]
+    chosen = figures["clean"] if figures["clean"]["n"] else figures["all"]
+    return float(chosen["median"])
+
+
+class SumChecksumSource:
+    """A state source that also sums each copied tensor as 64-bit words (row and
+    column sums of a 32 KiB-wide matrix): the fast checksum, taken at snapshot time."""
+
+    WIDTH = 4096
+
+    def __init__(self, inner: TorchStateSource) -> None:
+        self._inner = inner
+        self.describe, self.meta = inner.describe, inner.meta
+
+    def copy_into(self, index: int, dest: np.ndarray) -> None:
+        self._inner.copy_into(index, dest)
+        sum64(dest)
+
+
+def sum64(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    words = raw[:raw.nbytes // 8 * 8].view(np.uint64)
+    rows = words.size // SumChecksumSource.WIDTH
+    matrix = words[:rows * SumChecksumSource.WIDTH].reshape(rows, SumChecksumSource.WIDTH)
+    tail = int(words[rows * SumChecksumSource.WIDTH:].sum()) + int(raw[words.nbytes:].sum())
+    return matrix.sum(axis=1), matrix.sum(axis=0), tail
+
+
+class EagerSumSnapshotter(DualBufferSnapshotter):
+    def start(self, step: int, source: Any) -> bool:
+        return super().start(step, SumChecksumSource(source))
+
+
+VARIANTS: dict[str, Callable[[int], DualBufferSnapshotter]] = {
+    # The product default: copy only, CRCs when the snapshot is first used.
+    "lazy": lambda nice: DualBufferSnapshotter(worker_nice=nice),
+    "lazy-nohelp": lambda nice: DualBufferSnapshotter(worker_nice=nice, help_in_wait=False),
+    # The previous behaviour: CRC-32 of every tensor in the snapshot thread, every step.
+    "eager-crc": lambda nice: DualBufferSnapshotter(worker_nice=nice, eager_checksums=True,
+                                                    help_in_wait=False),
+    # A fast checksum (64-bit row and column sums) at snapshot time instead.
+    "eager-sum64": lambda nice: EagerSumSnapshotter(worker_nice=nice),
+}
+
+
+def snapshot_rates(trainer: Trainer, snapshotter: DualBufferSnapshotter, reps: int = 3
+                   ) -> dict[str, float]:
+    """Seconds for one snapshot on its own: the copy (what a step pays), CRC, sum64."""
+    copies, crcs, sums = [], [], []
     for _ in range(reps):
-        started = time.perf_counter()
         snapshotter.start(trainer.step_index, trainer.source())
         snapshotter.wait_complete()
-        totals.append(time.perf_counter() - started)
         copies.append(snapshotter.stats.last_copy_seconds)
-    nbytes = snapshotter.stats.last_bytes
-    return nbytes / median(totals) / GB, nbytes / median(copies) / GB, nbytes
+        with snapshotter.lease(checksums=False) as snap:
+            started = time.perf_counter()
+            add_checksums(snap.manifest, snap.buffer)
+            crcs.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            for spec in snap.manifest.tensors:
+                sum64(spec.raw(snap.buffer))
+            sums.append(time.perf_counter() - started)
+    return {"bytes": snapshotter.stats.last_bytes, "copy_s": median(copies),
+            "crc32_s": median(crcs), "sum64_s": median(sums)}
+
+
+def copy_floor(nbytes: int, reps: int = 5) -> dict[str, float]:
+    """Seconds to copy ``nbytes`` between preallocated buffers with one and two threads
+    (the best of ``reps``: memory bandwidth here varies with the other tenants' load)."""
+    source = np.ones(nbytes, dtype=np.uint8)
+    dest = np.empty_like(source)
+    dest[::4096] = 0
+
+    def copy(first: int, last: int, piece: int = 16 << 20) -> None:
+        for start in range(first, last, piece):
+            np.copyto(dest[start:min(start + piece, last)], source[start:min(start + piece, last)])
+
+    figures: dict[str, float] = {}
+    for threads in (1, 2):
+        seconds = []
+        for _ in range(reps):
+            cut = [nbytes * i // threads for i in range(threads + 1)]
+            workers = [threading.Thread(target=copy, args=(cut[i], cut[i + 1]))
+                       for i in range(threads)]
+            started = time.perf_counter()
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            seconds.append(time.perf_counter() - started)
+        figures[f"copy_{threads}_thread_s"] = min(seconds)
+    return figures
 
 
 # ---------------------------------------------------------------------- transfers
@@ -160,7 +342,7 @@ def fetch_rates(snapshotter: DualBufferSnapshotter, reps: int) -> dict[str, floa
         peer = Peer(*server.address)
         for _ in range(reps):
             raw.append(raw_socket_rate(data, into))
-            for streams, rates in ((FETCH_STREAMS, default), (1, one)):
+            for streams, rates in ((DEFAULTS.fetch_streams, default), (1, one)):
                 fetched = fetch_state(peer, SECRET, step=step, buffer=into, streams=streams)
                 rates.append(data.nbytes / fetched.seconds / GB)
     # Ratios within each repetition: other jobs' load shifts both sides alike.
@@ -258,47 +440,64 @@ def timed(label: str, call: Callable[[], Any]) -> Any:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--pairs", type=int, default=8, help="paired runs, interleaved")
-    parser.add_argument("--steps", type=int, default=2, help="measured steps per run")
+    parser.add_argument("--pairs", type=int, default=10,
+                        help="clean paired samples wanted per variant")
+    parser.add_argument("--max-rounds", type=int, default=0,
+                        help="give up after this many rounds (default: 3 x --pairs)")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per run")
+    parser.add_argument("--max-foreign", type=float, default=0.10,
+                        help="a sample counts if other processes took less than this share "
+                             "of the CPUs during its runs")
+    parser.add_argument("--variants", default="lazy",
+                        help=f"comma-separated, first one is the headline: {', '.join(VARIANTS)}")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each transfer")
-    parser.add_argument("--worker-nice", type=int, default=WORKER_NICE,
+    parser.add_argument("--worker-nice", type=int, default=DEFAULTS.snapshot_nice,
                         help="niceness of the snapshot thread (0: same as training)")
     parser.add_argument("--overhead-only", action="store_true",
                         help="measure the snapshot overhead and stop")
     parser.add_argument("--no-checksums", action="store_true",
-                        help="snapshots without CRCs (with --overhead-only: the copy's share)")
+                        help="kept for old scripts: snapshots are copy-only per step anyway "
+                             "(checksums are computed when a snapshot is first used)")
     args = parser.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     trainer = Trainer(args.width, args.layers, args.batch)
     trainer.run(2, None)  # Adam's state exists from here on
-    snapshotter = DualBufferSnapshotter(worker_nice=args.worker_nice,
-                                        checksums=not args.no_checksums)
-    trainer.run(2, snapshotter)  # buffers allocated and touched
+    variants = {name: VARIANTS[name](args.worker_nice) for name in args.variants.split(",")}
+    for snapshotter in variants.values():
+        trainer.run(2, snapshotter)  # buffers allocated and touched
+    snapshotter = next(iter(variants.values()))
     print(f"model {trainer.params / 1e6:.1f} M params + Adam, batch {args.batch}, "
           f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}", flush=True)
-    overhead = timed("snapshot overhead (paired runs)",
-                     lambda: snapshot_overhead(trainer, snapshotter, args.pairs, args.steps))
+    overhead = timed("snapshot overhead (paired runs)", lambda: snapshot_overhead(
+        trainer, variants, args.pairs, args.steps, args.max_foreign,
+        args.max_rounds or 3 * args.pairs))
+    rates = timed("snapshot rates", lambda: snapshot_rates(trainer, snapshotter))
+    rates.update(copy_floor(rates["bytes"]))
     if args.overhead_only:
-        print(f"snapshot overhead {overhead['overhead_pct']:+.2f}% (median of pairs), "
-              f"{overhead['pooled_pct']:+.2f}% (pooled medians)")
+        print_overhead(overhead, rates)
         return 0
-    snap_rate, copy_rate, nbytes = timed("snapshot rate",
-                                         lambda: snapshot_rate(trainer, snapshotter))
     fetch = timed("fetch vs raw socket", lambda: fetch_rates(snapshotter, args.reps))
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         write = timed("persistent write", lambda: write_rates(trainer, snapshotter, Path(tmp),
                                                               args.reps))
         restore = timed("restore per tier", lambda: restore_times(snapshotter, Path(tmp)))
-
+    nbytes = rates["bytes"]
     summary = {
-        "snapshot_overhead_pct": round(overhead["overhead_pct"], 2),
-        "snapshot_GBps": round(snap_rate, 2),
+        "snapshot_overhead_pct": headline(overhead, next(iter(variants))),
+        "snapshot_GBps": round(nbytes / rates["copy_s"] / GB, 2),
         "fetch_GBps": round(fetch["fetch"], 2),
         "raw_socket_GBps": round(fetch["raw"], 2),
         "fetch_ratio_vs_raw": round(fetch["ratio"], 3),
@@ -308,33 +507,71 @@ def main(argv: list[str] | None = None) -> int:
     }
     details = {
         "state_bytes": nbytes, "params": trainer.params, "batch": args.batch,
-        "worker_nice": args.worker_nice,
-        "step_s_plain": round(overhead["step_s_plain"], 3),
-        "step_s_snapshot": round(overhead["step_s_snapshot"], 3),
-        "overhead_pct_per_pair": [round(p, 2) for p in overhead["pair_pct"]],
-        "overhead_pct_pooled_medians": round(overhead["pooled_pct"], 2),
-        "snapshot_copy_only_GBps": round(copy_rate, 2),
-        "fetch_streams": FETCH_STREAMS,
+        "worker_nice": args.worker_nice, "max_foreign": args.max_foreign,
+        "overhead": overhead, **snapshot_details(rates, overhead),
+        "fetch_streams": DEFAULTS.fetch_streams,
         "fetch_1_stream_GBps": round(fetch["fetch_1_stream"], 2),
         "fetch_1_stream_ratio_vs_raw": round(fetch["ratio_1_stream"], 3),
         "safetensors_GBps": None,  # safetensors is not installed here
         "restore_seconds": {k: round(v, 3) for k, v in restore.items()},
     }
+    print_overhead(overhead, rates)
     print_table(summary, details)
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "details": details}, indent=2))
     return 0
 
 
+def snapshot_details(rates: dict[str, float], overhead: dict[str, Any]) -> dict[str, Any]:
+    nbytes, plain = rates["bytes"], overhead["step_s_plain"]
+    figures: dict[str, Any] = {
+        f"{name}_GBps": round(nbytes / rates[f"{name}_s"] / GB, 2)
+        for name in ("copy", "crc32", "sum64", "copy_1_thread", "copy_2_thread")}
+    if plain:
+        # What a copy costs when it cannot overlap anything: both cores busy training.
+        floor = min(rates["copy_1_thread_s"], rates["copy_2_thread_s"])
+        figures["copy_floor_pct_of_step"] = round(100 * floor / plain, 2)
+        figures["crc32_pct_of_step"] = round(100 * rates["crc32_s"] / plain, 2)
+    return figures
+
+
+def print_overhead(overhead: dict[str, Any], rates: dict[str, float]) -> None:
+    print(f"\nstep without snapshot {overhead['step_s_plain']} s (clean samples); "
+          f"overhead per variant, % of step time:")
+    rows = [(name, figures["clean"], figures["all"])
+            for name, figures in overhead["variants"].items()]
+    rows.append(("A/A control", overhead["control"], {"n": "-"}))
+    for name, clean, every in rows:
+        if clean["n"]:
+            text = (f"median {clean['median']:+6.2f}  IQR [{clean['q1']:+.2f}, {clean['q3']:+.2f}]"
+                    f"  range [{clean['min']:+.2f}, {clean['max']:+.2f}]")
+        else:
+            text = "no clean sample"
+        counts = f"clean n={clean['n']}" + (f" of {every['n']} (median of all "
+                                             f"{every['median']:+.2f})" if "median" in every
+                                             else "")
+        waits = overhead["variants"].get(name, {})
+        wait = (f"; waited {waits['wait_s_per_snapshot']:.3f} s/step" if waits else "")
+        print(f"  {name:<12} {text}  {counts}{wait}")
+    details = snapshot_details(rates, overhead)
+    print(f"  one snapshot of {rates['bytes'] / GB:.2f} GB: copy {rates['copy_s']:.3f} s, "
+          f"CRC-32 {rates['crc32_s']:.3f} s, sum64 {rates['sum64_s']:.3f} s; bare copy "
+          f"with 1 / 2 threads {rates['copy_1_thread_s']:.3f} / {rates['copy_2_thread_s']:.3f}"
+          f" s, the better = {details.get('copy_floor_pct_of_step', float('nan'))}% of a step")
+
+
 def print_table(summary: dict[str, Any], details: dict[str, Any]) -> None:
+    overhead = details["overhead"]
     rows = [
         ("state (params + Adam)", f"{details['state_bytes'] / GB:.2f} GB"),
-        ("step time plain / with snapshot",
-         f"{details['step_s_plain']:.3f} s / {details['step_s_snapshot']:.3f} s"),
-        ("snapshot-every-step overhead (median of pairs)",
-         f"{summary['snapshot_overhead_pct']:+.2f}%  (pairs: {details['overhead_pct_per_pair']})"),
-        ("snapshot copy + CRC / copy only",
-         f"{summary['snapshot_GBps']} / {details['snapshot_copy_only_GBps']} GB/s"),
+        ("step time without snapshot (clean samples)", f"{overhead['step_s_plain']} s"),
+        ("snapshot-every-step overhead (median, clean pairs)",
+         f"{summary['snapshot_overhead_pct']:+.2f}%"),
+        ("A/A control (noise floor), median [IQR]",
+         (f"{overhead['control'].get('median')}% [{overhead['control'].get('q1')}, "
+          f"{overhead['control'].get('q3')}]")),
+        ("snapshot copy (per step) / CRC-32 / sum64",
+         f"{summary['snapshot_GBps']} / {details['crc32_GBps']} / {details['sum64_GBps']} GB/s"),
         (f"fetch (HTTP, CRC-verified), {details['fetch_streams']} streams (default)",
          f"{summary['fetch_GBps']} GB/s"),
         ("fetch, 1 stream", (f"{details['fetch_1_stream_GBps']} GB/s "

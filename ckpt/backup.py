@@ -12,12 +12,15 @@ import logging
 import threading
 from collections.abc import Callable, Collection
 
+from ftcore.config import CkptConfig
+
 from .dual import Allocator, DualBuffer, numpy_allocator
 from .errors import CheckpointCorruptError, FetchError, NoCheckpointError
 from .fetch import Peer, push_backup
 from .manifest import Manifest, corrupt_tensors
 
 log = logging.getLogger(__name__)
+_DEFAULTS = CkptConfig()
 
 
 class BackupStore:
@@ -83,7 +86,8 @@ class BackupSender:
     """
 
     def __init__(self, snapshots: DualBuffer, peer: Peer, secret: str, *, rank: int,
-                 every: int = 1, timeout: float = 60.0, poll_interval: float = 0.5) -> None:
+                 every: int = _DEFAULTS.backup_every, timeout: float = _DEFAULTS.fetch_timeout,
+                 poll_interval: float = 0.5) -> None:
         self.snapshots = snapshots
         self.peer = peer
         self.rank = rank
@@ -115,6 +119,10 @@ class BackupSender:
                 timeout)
 
     def _loop(self) -> None:
+        # Normal priority on purpose: a push holds a lease on the snapshot (for its
+        # checksums, on first use, and the transfer), and while it does the
+        # snapshotter skips every step. A starved low-priority pusher would stall
+        # the snapshots for as long as it is starved.
         seen: int | None = None
         while not self._stop.is_set():
             step = self.snapshots.wait_newer(seen, self._poll_interval)

@@ -5,6 +5,10 @@ for a peer (``backup.py``): a write always goes into the buffer that does not
 hold the newest complete copy, so that copy stays readable until the new one
 is complete. The writer never waits for readers: if the buffer it would reuse
 is leased, ``begin`` declines and the caller skips that copy.
+
+A copy may be committed without checksums (snapshots: see ``snapshot``); the
+first lease that needs them computes them from the leased bytes, once, and
+keeps them in the slot's manifest for every later reader.
 """
 
 from __future__ import annotations
@@ -14,13 +18,13 @@ import enum
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from .errors import NoCheckpointError
-from .manifest import Bytes, Manifest
+from .manifest import Bytes, Manifest, add_checksums
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,8 @@ class Slot:
     state: SlotState = SlotState.EMPTY
     manifest: Manifest | None = None
     readers: int = 0
+    #: Held while computing this copy's checksums, so concurrent readers compute them once.
+    checksum_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def move(self, new: SlotState) -> None:
         if new not in TRANSITIONS[self.state]:
@@ -75,8 +81,8 @@ class Snapshot:
 class LeaseProvider(Protocol):
     """Anything that lends complete snapshots for reading (see ``DualBuffer.lease``)."""
 
-    def lease(self, step: int | None = None,
-              timeout: float = 0.0) -> contextlib.AbstractContextManager[Snapshot]: ...
+    def lease(self, step: int | None = None, timeout: float = 0.0, *,
+              checksums: bool = True) -> contextlib.AbstractContextManager[Snapshot]: ...
 
 
 def numpy_allocator(nbytes: int) -> Bytes:
@@ -147,11 +153,15 @@ class DualBuffer:
             return (self._slots[0].state, self._slots[1].state)
 
     @contextlib.contextmanager
-    def lease(self, step: int | None = None, timeout: float = 0.0) -> Iterator[Snapshot]:
+    def lease(self, step: int | None = None, timeout: float = 0.0, *,
+              checksums: bool = True) -> Iterator[Snapshot]:
         """Hold the newest complete copy (or the one of ``step``) while reading it.
 
         With ``step`` and a ``timeout``, waits for that step's copy to complete;
         raises ``NoCheckpointError`` if it does not, or was already replaced.
+        With ``checksums`` (the default) the manifest carries every tensor's
+        CRC-32, computed here on first use; ``checksums=False`` is for readers
+        that only stream bytes whose manifest was already sent.
         """
         with self._cond:
             self._cond.wait_for(lambda: self._settled(step), timeout)
@@ -165,11 +175,25 @@ class DualBuffer:
             assert slot.buffer is not None and slot.manifest is not None
             view = slot.buffer[:slot.manifest.total_bytes]
             view.flags.writeable = False
-            yield Snapshot(slot.manifest, view)
+            manifest = self._checksummed(slot, view) if checksums else slot.manifest
+            yield Snapshot(manifest, view)
         finally:
             with self._cond:
                 slot.readers -= 1
                 self._cond.notify_all()
+
+    def _checksummed(self, slot: Slot, view: Bytes) -> Manifest:
+        """The leased slot's manifest with checksums, computing and keeping them if missing.
+
+        Safe outside ``_cond``: a leased slot is never rewritten.
+        """
+        with slot.checksum_lock:
+            assert slot.manifest is not None
+            if not slot.manifest.checksummed:
+                manifest = add_checksums(slot.manifest, view)
+                with self._cond:
+                    slot.manifest = manifest
+            return slot.manifest
 
     def _settled(self, step: int | None) -> bool:
         if self._find(step) is not None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ftcore.config import CkptConfig
+
 from .dual import Snapshot
 from .errors import FetchError
 from .manifest import Bytes, Manifest, ManifestError, checksum
@@ -36,10 +38,11 @@ log = logging.getLogger(__name__)
 
 #: Bytes per ``readinto``: also the step at which verification follows the transfer.
 READ_CHUNK = 8 << 20
-#: Connections per fetch, each reading one byte range. Measured on loopback here:
-#: one stream 0.83-0.89x a raw socket (CRC included), two 0.90-1.07x.
-FETCH_STREAMS = 2
 SEND_CHUNK = 32 << 20
+#: Defaults of the tunables below come from ``[ckpt]``. ``fetch_streams``: connections
+#: per fetch, each reading one byte range; measured on loopback here, one stream ran
+#: at 0.83-0.89x a raw socket (CRC included), two at 0.90-1.07x.
+_DEFAULTS = CkptConfig()
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,9 @@ def fetch_manifest(peer: Peer, secret: str, route: Route, timeout: float) -> Man
 
 
 def fetch_state(peer: Peer, secret: str, *, step: int | None = None,
-                backup_of: int | None = None, timeout: float = 60.0, wait: float = 0.0,
-                buffer: Bytes | None = None, streams: int = FETCH_STREAMS) -> FetchedState:
+                backup_of: int | None = None, timeout: float = _DEFAULTS.fetch_timeout,
+                wait: float = 0.0, buffer: Bytes | None = None,
+                streams: int = _DEFAULTS.fetch_streams) -> FetchedState:
     """Fetch, verify and return the state of ``step`` (newest if None).
 
     ``backup_of=r`` fetches the backup of rank r that ``peer`` holds instead of
@@ -236,7 +240,7 @@ def _read_exact(response: http.client.HTTPResponse, view: memoryview, peer: Peer
 
 
 def push_backup(peer: Peer, secret: str, snapshot: Snapshot, *, source_rank: int,
-                timeout: float = 60.0) -> None:
+                timeout: float = _DEFAULTS.fetch_timeout) -> None:
     """Send ``snapshot`` (rank ``source_rank``'s) to the rank that backs it up."""
     route = Route(RouteKind.BACKUP_PUT, source_rank, snapshot.step)
     target = target_for(route)
@@ -276,8 +280,8 @@ class CatchUp:
     """
 
     def __init__(self, peers: Sequence[Peer], secret: str, *, step: int,
-                 timeout: float = 60.0, buffer: Bytes | None = None,
-                 streams: int = FETCH_STREAMS) -> None:
+                 timeout: float = _DEFAULTS.fetch_timeout, buffer: Bytes | None = None,
+                 streams: int = _DEFAULTS.fetch_streams) -> None:
         if not peers:
             raise ValueError("catch-up needs at least one peer to fetch from")
         self.peers = tuple(peers)

@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftcore.config import CkptConfig
 from ftcore.files import atomic_write_text
 
 from .errors import CheckpointCorruptError, NoCheckpointError, storage_error
+
+_DEFAULTS = CkptConfig()
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,8 @@ class LoaderRecord:
 class LoaderStateStore:
     """``ROOT/loader/rank-RRRRR.json`` for one rank."""
 
-    def __init__(self, root: str | os.PathLike[str], *, rank: int, durable: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, rank: int,
+                 durable: bool = _DEFAULTS.durable) -> None:
         self.rank = rank
         self.durable = durable
         self.path = Path(root) / "loader" / f"rank-{rank:05d}.json"

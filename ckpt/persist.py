@@ -31,14 +31,16 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ftcore.config import CkptConfig
 from ftcore.errors import RecoverableError
 from ftcore.files import atomic_write_text, fsync_directory
 
 from .dual import LeaseProvider, Snapshot
 from .errors import CheckpointCorruptError, storage_error
-from .manifest import Bytes, Manifest, ManifestError, corrupt_tensors
+from .manifest import Bytes, Manifest, ManifestError, add_checksums, corrupt_tensors
 
 log = logging.getLogger(__name__)
+_DEFAULTS = CkptConfig()
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _ERRNO_IN_TEXT = re.compile(r"errno = (\d+)")
@@ -89,7 +91,8 @@ class PersistentStore:
     """This rank's view of a checkpoint directory (shared or node-local)."""
 
     def __init__(self, root: str | os.PathLike[str], *, rank: int, world_size: int,
-                 keep: int = 2, every: int = 100, durable: bool = True, create: bool = False,
+                 keep: int = _DEFAULTS.keep, every: int = _DEFAULTS.persist_every,
+                 durable: bool = _DEFAULTS.durable, create: bool = False,
                  completeness: Completeness = Completeness.ALL_SHARDS) -> None:
         self.root = Path(root)
         self.rank = rank
@@ -100,6 +103,8 @@ class PersistentStore:
         self.completeness = completeness
         self._check_root(create)
         self._staging: Bytes | None = None
+        # Normal priority on purpose (unlike the snapshot thread): staging holds a
+        # lease on the snapshot, during which the snapshotter skips every step.
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"ckpt-persist-{rank}")
         self._pending: concurrent.futures.Future[ShardRecord] | None = None
@@ -123,7 +128,11 @@ class PersistentStore:
         return step % self.every == 0
 
     def save(self, manifest: Manifest, buffer: Bytes) -> ShardRecord:
-        """Write this rank's shard of ``manifest.step`` now (blocking; no pruning)."""
+        """Write this rank's shard of ``manifest.step`` now (blocking; no pruning).
+
+        A shard always carries its CRCs: missing ones are computed from ``buffer``.
+        """
+        manifest = add_checksums(manifest, buffer)
         step_dir = self.root / step_dir_name(manifest.step)
         final = step_dir / f"rank-{self.rank:05d}-{secrets.token_hex(4)}.h5"
         tmp = step_dir / f".{final.name}.tmp"
@@ -149,7 +158,8 @@ class PersistentStore:
         return record
 
     def save_async(self, snapshots: LeaseProvider, step: int | None = None,
-                   wait: float = 60.0) -> concurrent.futures.Future[ShardRecord]:
+                   wait: float = _DEFAULTS.fetch_timeout
+                   ) -> concurrent.futures.Future[ShardRecord]:
         """Persist the snapshot of ``step`` (newest if None) in the background.
 
         The worker copies the snapshot into its own staging buffer under a short

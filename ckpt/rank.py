@@ -28,7 +28,7 @@ from ftcore.events import EventLog
 
 from .backup import BackupSender, BackupStore
 from .dual import Allocator, numpy_allocator
-from .fetch import FETCH_STREAMS, CatchUp, Peer
+from .fetch import CatchUp, Peer
 from .loader_state import LoaderStateStore
 from .persist import Completeness, PersistBusyError, PersistentStore, ShardRecord
 from .restore import DiskTier, MemoryTier, PeerTier, RestoreChain, Tier, TierKind
@@ -49,34 +49,43 @@ class RankPlace:
 
 
 class RankCheckpointer:
-    """Snapshots every step, serves them, backs them up, persists every P steps."""
+    """Snapshots every step, serves them, backs them up, persists every P steps.
+
+    Everything tunable comes from ``config`` (``[ckpt]``); the keyword arguments
+    are what the config cannot know: where this rank's backup goes and whose
+    backups it holds (topology), how buffers are allocated (pinned for CUDA).
+    """
 
     def __init__(self, config: CkptConfig, place: RankPlace, *, secret: str, host: str,
-                 port: int = 0, persist: bool = True, backup_peer: Peer | None = None,
-                 accept_backups_from: Collection[int] = (), local_dir: str | None = None,
-                 backup_every: int = 1, allocator: Allocator = numpy_allocator,
-                 create_dirs: bool = True) -> None:
+                 persist: bool = True, backup_peer: Peer | None = None,
+                 accept_backups_from: Collection[int] = (),
+                 allocator: Allocator = numpy_allocator, create_dirs: bool = True) -> None:
         self.config = config
         self.place = place
         self._secret = secret
         self.snapshots = DualBufferSnapshotter(rank=place.shard, world_size=place.shards,
-                                               allocator=allocator)
+                                               allocator=allocator,
+                                               worker_nice=config.snapshot_nice)
         self.backups = BackupStore(accept_from=accept_backups_from, allocator=allocator)
-        self.server = StateServer(secret=secret, host=host, port=port,
+        self.server = StateServer(secret=secret, host=host, port=config.serve_port,
                                   snapshots=self.snapshots.buffers, backups=self.backups,
                                   max_wait=config.fetch_timeout,
                                   io_timeout=config.fetch_timeout).start()
-        self.persistent = (PersistentStore(config.dir, rank=place.shard, world_size=place.shards,
-                                           keep=config.keep, every=config.persist_every,
-                                           create=create_dirs) if persist else None)
-        self.local = (PersistentStore(local_dir, rank=place.shard, world_size=place.shards,
-                                      keep=config.keep, every=config.persist_every,
-                                      create=create_dirs, completeness=Completeness.OWN_SHARD)
-                      if local_dir else None)
-        self.loader = LoaderStateStore(Path(config.dir), rank=place.rank)
+        self.persistent = (self._store(config.dir, Completeness.ALL_SHARDS, create_dirs)
+                           if persist else None)
+        self.local = (self._store(config.local_dir, Completeness.OWN_SHARD, create_dirs)
+                      if config.local_dir else None)
+        self.loader = LoaderStateStore(Path(config.dir), rank=place.rank, durable=config.durable)
         self.sender = (BackupSender(self.snapshots.buffers, backup_peer, secret, rank=place.rank,
-                                    every=backup_every, timeout=config.fetch_timeout).start()
+                                    every=config.backup_every,
+                                    timeout=config.fetch_timeout).start()
                        if config.peer_backup and backup_peer is not None else None)
+
+    def _store(self, root: str, completeness: Completeness, create: bool) -> PersistentStore:
+        return PersistentStore(root, rank=self.place.shard, world_size=self.place.shards,
+                               keep=self.config.keep, every=self.config.persist_every,
+                               durable=self.config.durable, create=create,
+                               completeness=completeness)
 
     @property
     def address(self) -> Peer:
@@ -115,11 +124,10 @@ class RankCheckpointer:
             if store is not None:
                 store.wait(timeout)
 
-    def catch_up(self, peers: Sequence[Peer], step: int,
-                 streams: int = FETCH_STREAMS) -> CatchUp:
+    def catch_up(self, peers: Sequence[Peer], step: int) -> CatchUp:
         """Start fetching ``step`` (the end of ``max_step - 1``) from ``peers`` in order."""
         return CatchUp(peers, self._secret, step=step, timeout=self.config.fetch_timeout,
-                       streams=streams).start()
+                       streams=self.config.fetch_streams).start()
 
     def restore_chain(self, backup_peer: Peer | None = None,
                       events: EventLog | None = None) -> RestoreChain:
@@ -131,7 +139,8 @@ class RankCheckpointer:
             tiers.append(DiskTier(self.local, TierKind.LOCAL_DISK))
         if self.persistent is not None:
             tiers.append(DiskTier(self.persistent, TierKind.PERSISTENT))
-        return RestoreChain(tiers, rank=self.place.shard, events=events)
+        return RestoreChain(tiers, rank=self.place.shard, check_finite=self.config.check_finite,
+                            events=events)
 
     def close(self) -> None:
         self.snapshots.close()

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ftcore.config import CkptConfig
 from ftcore.errors import FtError
 from ftcore.events import Event, EventLog
 
@@ -28,6 +29,7 @@ from .persist import PersistentStore
 from .wire import Route, RouteKind
 
 log = logging.getLogger(__name__)
+_DEFAULTS = CkptConfig()
 
 
 class TierKind(enum.Enum):
@@ -119,7 +121,12 @@ def problems_with(manifest: Manifest, buffer: Bytes, check_finite: bool) -> list
 
 
 class MemoryTier:
-    """This process's own snapshots (after an in-process restart)."""
+    """This process's own snapshots (after an in-process restart).
+
+    The lease supplies the checksums: kept from the snapshot's first use (or
+    from the copy, with eager checksums), else computed now from the snapshot,
+    so that the copy handed out is verified against the bytes it came from.
+    """
 
     kind = TierKind.MEMORY
 
@@ -143,7 +150,8 @@ class PeerTier:
 
     kind = TierKind.PEER
 
-    def __init__(self, peer: Peer, secret: str, *, rank: int, timeout: float = 60.0) -> None:
+    def __init__(self, peer: Peer, secret: str, *, rank: int,
+                 timeout: float = _DEFAULTS.fetch_timeout) -> None:
         self.peer = peer
         self.rank = rank
         self._secret = secret
@@ -179,7 +187,8 @@ class DiskTier:
 class RestoreChain:
     """Try the tiers' copies newest first and return the first sound one."""
 
-    def __init__(self, tiers: Sequence[Tier], *, rank: int, check_finite: bool = True,
+    def __init__(self, tiers: Sequence[Tier], *, rank: int,
+                 check_finite: bool = _DEFAULTS.check_finite,
                  events: EventLog | None = None) -> None:
         self.tiers = {tier.kind: tier for tier in tiers}
         self.rank = rank

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
 
+from ftcore.config import CkptConfig
+
 from .backup import BackupStore
 from .dual import LeaseProvider, Snapshot
 from .errors import CheckpointCorruptError, NoCheckpointError
@@ -32,6 +34,7 @@ from .wire import (
 )
 
 log = logging.getLogger(__name__)
+_DEFAULTS = CkptConfig()
 
 #: Bytes per ``sendall``: large enough to run at socket speed, small enough that
 #: the io timeout measures progress rather than the whole transfer.
@@ -47,8 +50,9 @@ class StateServer:
     """Serves ``snapshots`` (and ``backups`` if given) to holders of ``secret``."""
 
     def __init__(self, *, secret: str, host: str, snapshots: LeaseProvider,
-                 backups: BackupStore | None = None, port: int = 0,
-                 max_wait: float = 60.0, io_timeout: float = 60.0,
+                 backups: BackupStore | None = None, port: int = _DEFAULTS.serve_port,
+                 max_wait: float = _DEFAULTS.fetch_timeout,
+                 io_timeout: float = _DEFAULTS.fetch_timeout,
                  clock: Callable[[], float] = time.time) -> None:
         self.secret = secret
         self.snapshots = snapshots
@@ -139,8 +143,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         source = app.source_for(route)
         wait = min(route.wait, app.max_wait)
-        with source.lease(route.step, wait) as snap:
-            if route.kind in (RouteKind.STATE_MANIFEST, RouteKind.BACKUP_MANIFEST):
+        # A manifest always leaves with its checksums (computed now if this is the
+        # snapshot's first use); the data that follows it needs none.
+        manifest_route = route.kind in (RouteKind.STATE_MANIFEST, RouteKind.BACKUP_MANIFEST)
+        with source.lease(route.step, wait, checksums=manifest_route) as snap:
+            if manifest_route:
                 self._reply_bytes(200, snap.manifest.to_json().encode(), "application/json")
             else:
                 self._send_data(snap)

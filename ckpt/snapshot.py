@@ -17,32 +17,59 @@ wait before it. Tensors that change elsewhere (``eager``: model buffers, RNG
 states) are copied in ``start`` itself.
 
 A buffer is usable only in state COMPLETE, reached after every tensor was
-copied and check-summed; a copy that fails leaves it FAILED and the other buffer
-(the previous snapshot) remains the newest complete one. Readers take a lease;
-the writer never waits for a reader: if the buffer it would overwrite is leased,
-that step's snapshot is skipped and counted.
+copied; a copy that fails leaves it FAILED and the other buffer (the previous
+snapshot) remains the newest complete one. Readers take a lease; the writer
+never waits for a reader: if the buffer it would overwrite is leased, that
+step's snapshot is skipped and counted.
+
+Checksums are lazy. Every step pays for the copy only; the per-tensor CRC-32s
+are computed the first time the snapshot is used (served for catch-up, pushed
+as a backup, persisted, restored), from the snapshot buffer under the lease,
+and kept in its manifest. So every copy that leaves the process carries them
+and every receiver verifies them; what the CRC no longer covers is a bit flip
+in this process's own RAM between the copy and its first use (ECC's job;
+``eager_checksums`` restores that cover at the old price). Measured on 2 cores,
+1.2 GB state, 0.93 s steps, median of clean interleaved pairs: CRC-32 in the
+snapshot thread +24%, a 64-bit row/column sum there +10%, the copy alone +7.7%,
+which is the copy's own time (0.063 s: 6.8% of a step). See
+``benchmarks/ckpt_bench.py``.
+
+Priorities on a CPU-bound trainer: the snapshot thread runs at niceness
+``ckpt.snapshot_nice`` (19). The copy competes with the compute threads for the
+same cores, and an OpenMP thread that loses its core stalls its whole team at
+the next barrier; at niceness 19 a thread takes about 1.5% of a busy core
+(measured: a nice-19 copy loop beside 2-thread training moved 0.28 GB/s and
+slowed it 1-2%) and runs freely on an idle one. It holds no lease, so starving
+it delays nothing but its own copy; what is left when ``wait_ready`` comes is
+copied by the training thread and a helper at normal priority, since training
+waits anyway. Copies go through numpy (one thread, GIL released), never torch's
+``copy_``, which would start a second OpenMP team. On GPU the thread mostly
+waits for the device-to-host DMA and none of this matters.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from ftcore.config import CkptConfig
+
 from .dual import Allocator, DualBuffer, Slot, SlotState, Snapshot, numpy_allocator
 from .errors import SnapshotFailedError
-from .manifest import Bytes, Manifest, TensorDesc, plan_layout
-from .manifest import checksum as crc32_of
+from .manifest import Bytes, Manifest, TensorDesc, add_checksums, plan_layout
 
 log = logging.getLogger(__name__)
+_DEFAULTS = CkptConfig()
 
 
 class StateSource(Protocol):
@@ -57,7 +84,11 @@ class StateSource(Protocol):
         ...
 
     def copy_into(self, index: int, dest: Bytes) -> None:
-        """Copy tensor ``index``'s bytes into ``dest``; complete when it returns."""
+        """Copy tensor ``index``'s bytes into ``dest``; complete when it returns.
+
+        Called from the snapshot thread and, in ``wait_ready``, from the training
+        thread at the same time (never twice for one tensor).
+        """
         ...
 
 
@@ -92,17 +123,7 @@ class SnapshotStats:
     last_copy_seconds: float = 0.0
     last_bytes: int = 0
     wait_seconds: float = 0.0
-
-
-#: Niceness of the snapshot thread. On CPU training the copy and the CRC compete
-#: with the compute threads for the same cores, and an OpenMP thread that loses
-#: its core stalls its whole team at the next barrier. At the lowest priority the
-#: snapshot runs when a core is idle (Python and autograd gaps); if it has not
-#: finished by the next optimizer step, ``wait_ready`` blocks and it runs alone,
-#: so it never costs more than its own duration. (An A/B of 0 against 19 on the
-#: shared 2-core build machine was inconclusive: other jobs' noise was larger.)
-#: On GPU the thread mostly waits for the DMA copy and this hardly matters.
-WORKER_NICE = 19
+    copied_while_waiting: int = 0   # tensors copied by ``wait_ready``'s threads
 
 
 def _lower_priority(nice: int) -> None:
@@ -115,33 +136,102 @@ def _lower_priority(nice: int) -> None:
         log.debug("could not lower the snapshot thread's priority: %s", exc)
 
 
-@dataclass
-class _Job:
-    """One background snapshot: ``copied`` is set once the live tensors are no longer read."""
+#: Threads that copy alongside the training thread in ``wait_ready``. Two copying
+#: threads moved 1.2 GB in 0.036 s here against 0.063 s for one when the host's
+#: memory bandwidth was free (no gain when other tenants used it); more would
+#: only compete for memory bandwidth.
+WAIT_HELPERS = 1
 
-    copied: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    thread: threading.Thread | None = None
+
+class _Job:
+    """One snapshot's copy: tensors still to copy, taken by any thread that helps.
+
+    ``copied`` is set once no tensor is left being copied (all done, or the copy
+    failed), i.e. once the live tensors are no longer read.
+    """
+
+    def __init__(self, slot: Slot, header: Manifest, source: StateSource,
+                 todo: Sequence[int]) -> None:
+        assert slot.buffer is not None
+        self.slot = slot
+        self.header = header
+        self.source = source
+        self.buffer: Bytes = slot.buffer
+        self.error: BaseException | None = None
+        self.copied = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.taken_by_waiters = 0
+        self._todo = collections.deque(todo)
+        self._left = len(self._todo)
+        self._lock = threading.Lock()
+        if not self._left:
+            self.copied.set()
+
+    def copy_some(self, waiter: bool = True) -> None:
+        """Copy tensors until none is left to take (``waiter``: not the snapshot thread).
+
+        Never raises for a failed copy (it is recorded in ``error``), except for
+        what must reach the caller anyway (``KeyboardInterrupt`` and the like).
+        """
+        while (index := self._take(waiter)) is not None:
+            try:
+                self.source.copy_into(index, self.header.tensors[index].raw(self.buffer))
+            except BaseException as exc:  # recorded; the snapshot thread fails the slot
+                self._settle(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            self._settle(None)
+
+    def untaken(self) -> int:
+        with self._lock:
+            return len(self._todo)
+
+    def _take(self, waiter: bool) -> int | None:
+        with self._lock:
+            if not self._todo or self.error is not None:
+                return None
+            self.taken_by_waiters += waiter
+            return self._todo.popleft()
+
+    def _settle(self, error: BaseException | None) -> None:
+        with self._lock:
+            finished = 1
+            if error is not None and self.error is None:
+                self.error = error
+                finished += len(self._todo)  # nobody will copy the rest
+                self._todo.clear()
+            self._left -= finished
+            if self._left == 0:
+                self.copied.set()
 
 
 class DualBufferSnapshotter:
     """Snapshots of one rank: one background copy at a time, newest complete wins.
 
-    A snapshot runs in two phases in its thread: the copy (reads the live
-    tensors; ``wait_ready`` waits for it before the next optimizer step), then
-    the checksums (read only our buffer, so they overlap the next step freely;
-    ``start`` of the next snapshot waits for them).
+    A snapshot is a copy and nothing else: its checksums are computed when it
+    is first used (served, pushed, persisted, restored: ``DualBuffer.lease``),
+    so a step pays for the copy only. ``eager_checksums`` computes them in the
+    snapshot thread right after the copy instead (the old behaviour: the memory
+    tier is then verified from the moment of the copy, at ~0.17 s of a core per
+    1.2 GB per step here).
+
+    The copy runs in a background thread at niceness ``worker_nice``; if it has
+    not finished when ``wait_ready`` is called, the training thread and
+    ``WAIT_HELPERS`` helper threads copy the remaining tensors alongside it,
+    since the training thread would otherwise sit idle.
     """
 
     def __init__(self, *, rank: int = 0, world_size: int = 1,
-                 allocator: Allocator = numpy_allocator, checksums: bool = True,
-                 worker_nice: int = WORKER_NICE) -> None:
+                 allocator: Allocator = numpy_allocator, eager_checksums: bool = False,
+                 worker_nice: int = _DEFAULTS.snapshot_nice, help_in_wait: bool = True) -> None:
         self.rank = rank
         self.world_size = world_size
         self.stats = SnapshotStats()
         self.buffers = DualBuffer(allocator, name=f"snapshots of rank {rank}")
-        self._checksums = checksums
+        self._eager_checksums = eager_checksums
         self._worker_nice = worker_nice
+        self._help_in_wait = help_in_wait
         self._job: _Job | None = None
 
     def start(self, step: int, source: StateSource) -> bool:
@@ -155,17 +245,18 @@ class DualBufferSnapshotter:
             log.debug("snapshot of step %d skipped: the buffer to reuse is being read", step)
             return False
         assert slot.buffer is not None
-        eager = {i for i, desc in enumerate(descs) if desc.eager}
+        eager = [i for i, desc in enumerate(descs) if desc.eager]
         try:
             meta = dict(source.meta())
-            for index in sorted(eager):
+            for index in eager:
                 source.copy_into(index, specs[index].raw(slot.buffer))
         except BaseException:
             self._end(slot, None)
             raise
         header = Manifest(step, specs, total, self.rank, self.world_size, meta)
-        job = self._job = _Job()
-        job.thread = threading.Thread(target=self._run, args=(job, slot, header, source, eager),
+        background = [i for i, desc in enumerate(descs) if not desc.eager]
+        job = self._job = _Job(slot, header, source, background)
+        job.thread = threading.Thread(target=self._run, args=(job,),
                                       name=f"ckpt-snapshot-{step}", daemon=True)
         job.thread.start()
         return True
@@ -173,22 +264,39 @@ class DualBufferSnapshotter:
     def wait_ready(self, timeout: float | None = None) -> SlotState:
         """Block until the running snapshot no longer reads the live tensors.
 
-        Call before ``optimizer.step()``. Returns FAILED if that copy failed
-        (logged, not raised: training goes on and the previous snapshot stays
-        the newest), else COMPLETE (checksums may still be running).
+        Call before ``optimizer.step()``. Copies the tensors the snapshot thread
+        has not reached yet. Returns FAILED if that copy failed (logged, not
+        raised: training goes on and the previous snapshot stays the newest),
+        else COMPLETE.
         """
         job = self._job
         if job is None:
             return SlotState.COMPLETE if self.latest_step() is not None else SlotState.EMPTY
         started = time.perf_counter()
+        if self._help_in_wait and not job.copied.is_set():
+            self._help(job)
         if not job.copied.wait(timeout):
             raise SnapshotFailedError(f"snapshot copy still running after {timeout} s",
                                       rank=self.rank)
         self.stats.wait_seconds += time.perf_counter() - started
         return SlotState.FAILED if job.error is not None else SlotState.COMPLETE
 
+    def _help(self, job: _Job) -> None:
+        """Copy what is left with the training thread and ``WAIT_HELPERS`` more threads.
+
+        The helpers are new threads at the training thread's priority: the
+        snapshot thread's low priority is right while training computes, but
+        now the training thread waits and its cores are ours.
+        """
+        before = job.taken_by_waiters
+        for _ in range(min(WAIT_HELPERS, job.untaken() - 1)):
+            threading.Thread(target=job.copy_some, name="ckpt-snapshot-helper",
+                             daemon=True).start()
+        job.copy_some()
+        self.stats.copied_while_waiting += job.taken_by_waiters - before
+
     def wait_complete(self, timeout: float | None = None) -> SlotState:
-        """Block until the running snapshot is complete or failed (checksums included)."""
+        """Block until the running snapshot is complete or failed."""
         job = self._job
         if job is None:
             return SlotState.COMPLETE if self.latest_step() is not None else SlotState.EMPTY
@@ -196,7 +304,7 @@ class DualBufferSnapshotter:
         assert job.thread is not None
         job.thread.join(timeout)
         if job.thread.is_alive():
-            raise SnapshotFailedError(f"snapshot checksums still running after {timeout} s",
+            raise SnapshotFailedError(f"snapshot thread still running after {timeout} s",
                                       rank=self.rank)
         self._job = None
         if job.error is not None:
@@ -211,32 +319,27 @@ class DualBufferSnapshotter:
     def latest_step(self) -> int | None:
         return self.buffers.latest_step()
 
-    def lease(self, step: int | None = None,
-              timeout: float = 0.0) -> contextlib.AbstractContextManager[Snapshot]:
+    def lease(self, step: int | None = None, timeout: float = 0.0, *,
+              checksums: bool = True) -> contextlib.AbstractContextManager[Snapshot]:
         """See ``DualBuffer.lease``."""
-        return self.buffers.lease(step, timeout)
+        return self.buffers.lease(step, timeout, checksums=checksums)
 
-    def _run(self, job: _Job, slot: Slot, header: Manifest, source: StateSource,
-             done: set[int]) -> None:
-        assert slot.buffer is not None
+    def _run(self, job: _Job) -> None:
         _lower_priority(self._worker_nice)
         started = time.perf_counter()
-        try:
+        job.copy_some(waiter=False)
+        job.copied.wait()  # the training thread may still be copying its last tensor
+        self.stats.last_copy_seconds = time.perf_counter() - started
+        manifest: Manifest | None = None
+        if job.error is None:
             try:
-                for index, spec in enumerate(header.tensors):
-                    if index not in done:
-                        source.copy_into(index, spec.raw(slot.buffer))
-            finally:
-                job.copied.set()  # after a failure too: the training thread must go on
-            self.stats.last_copy_seconds = time.perf_counter() - started
-            specs = tuple(replace(s, crc32=crc32_of(s.raw(slot.buffer))) if self._checksums
-                          else s for s in header.tensors)
-        except Exception as exc:  # noqa: BLE001 - the thread reports any failure, never dies silently
-            job.error = exc
-            self._end(slot, None)
-            return
-        self.stats.last_bytes = header.total_bytes
-        self._end(slot, replace(header, tensors=specs))
+                manifest = (add_checksums(job.header, job.buffer) if self._eager_checksums
+                            else job.header)
+            except Exception as exc:  # noqa: BLE001 - the thread reports any failure
+                job.error = exc
+        if manifest is not None:
+            self.stats.last_bytes = job.header.total_bytes
+        self._end(job.slot, manifest)
 
     def _end(self, slot: Slot, manifest: Manifest | None) -> None:
         if manifest is None:

@@ -116,19 +116,30 @@ class TorchStateSource:
 
     def copy_into(self, index: int, dest: Bytes) -> None:
         tensor = self._tensors[index]
-        if not tensor.is_cuda and tensor.is_contiguous():
-            # One thread, GIL released: torch's copy_ would start a second OpenMP
-            # team in this thread and fight the training thread's for the cores.
-            np.copyto(dest, tensor.reshape(-1).view(torch.uint8).numpy())
+        if not tensor.is_cuda:
+            # numpy: one thread, GIL released. torch's copy_ would start a second
+            # OpenMP team in this thread and fight the training thread's for the cores.
+            source = _as_numpy_words(tensor)
+            np.copyto(dest.view(source.dtype).reshape(source.shape), source, casting="no")
             return
         target = torch.from_numpy(dest).view(tensor.dtype).view(tensor.shape)
-        if not tensor.is_cuda:
-            target.copy_(tensor)
-            return
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._ready)
             target.copy_(tensor, non_blocking=True)
         self._stream.synchronize()
+
+
+_NUMPY_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_TORCH_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_numpy_words(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as numpy, without a copy: flat bytes when contiguous,
+    else a strided view as same-size words (also for dtypes numpy lacks)."""
+    size = tensor.element_size()
+    if not tensor.is_contiguous() and size in _TORCH_WORDS:
+        return tensor.view(_TORCH_WORDS[size]).numpy().view(_NUMPY_WORDS[size])
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 @dataclass(frozen=True)

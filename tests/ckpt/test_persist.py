@@ -257,3 +257,15 @@ def test_tensor_names_become_hdf5_paths(tmp_path):
         dataset = handle["tensors/optim/state/0/exp_avg"]
         assert dataset.attrs["dtype"] == "float32"
         np.testing.assert_array_equal(dataset[...], make_arrays(7)["optim/state/0/exp_avg"])
+
+
+def test_a_shard_always_carries_checksums(tmp_path):
+    store = _store(tmp_path)
+    snapshotter = snapshot_of(8)
+    with snapshotter.lease(checksums=False) as snap:
+        assert not snap.manifest.checksummed
+        store.save(snap.manifest, snap.buffer)
+    record = store.record(8)
+    assert record.manifest.checksummed
+    assert_state_equal(store.load(8), 8)
+

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
+from ckpt.persist import Completeness
 from ckpt.rank import RankCheckpointer, RankPlace
 from ckpt.restore import TierKind
 from ckpt.snapshot import ArrayState
@@ -28,10 +31,10 @@ def _fresh() -> dict[str, np.ndarray]:
 
 def _ranks(tmp_path, replicas: int = 2) -> list[RankCheckpointer]:
     config = CkptConfig(dir=str(tmp_path / "shared"), persist_every=2, keep=2)
-    return [RankCheckpointer(config, RankPlace(rank=r, world_size=replicas, shard=0, shards=1),
+    return [RankCheckpointer(replace(config, local_dir=str(tmp_path / f"local{r}")),
+                             RankPlace(rank=r, world_size=replicas, shard=0, shards=1),
                              secret=SECRET, host="127.0.0.1", persist=(r == 0),
-                             accept_backups_from={(r + 1) % replicas},
-                             local_dir=str(tmp_path / f"local{r}"))
+                             accept_backups_from={(r + 1) % replicas})
             for r in range(replicas)]
 
 
@@ -89,3 +92,31 @@ def test_restarted_rank_restores_from_its_backup_peer(tmp_path):
                                       expected["w"])
     finally:
         second.close()
+
+
+def test_every_tunable_comes_from_the_config(tmp_path):
+    config = CkptConfig(dir=str(tmp_path / "shared"), persist_every=3, keep=4,
+                        local_dir=str(tmp_path / "local"), backup_every=5, fetch_streams=3,
+                        durable=False, snapshot_nice=7, check_finite=False, fetch_timeout=9.0)
+    helper = RankCheckpointer(CkptConfig(dir=str(tmp_path / "helper")), RankPlace(1, 2, 0, 1),
+                              secret=SECRET, host="127.0.0.1")
+    ckpt = RankCheckpointer(config, RankPlace(0, 2, 0, 1), secret=SECRET, host="127.0.0.1",
+                            backup_peer=helper.address)
+    try:
+        assert ckpt.snapshots._worker_nice == 7
+        for store, completeness in ((ckpt.persistent, Completeness.ALL_SHARDS),
+                                    (ckpt.local, Completeness.OWN_SHARD)):
+            assert store is not None and store.completeness is completeness
+            assert (store.keep, store.every, store.durable) == (4, 3, False)
+        assert ckpt.local is not None and ckpt.local.root == tmp_path / "local"
+        assert ckpt.loader.durable is False
+        assert ckpt.sender is not None and ckpt.sender.every == 5
+        assert ckpt.server.io_timeout == 9.0
+        assert ckpt.restore_chain().check_finite is False
+        _run(helper, _fresh(), range(1))
+        catch_up = ckpt.catch_up([helper.address], step=0)
+        assert catch_up._streams == 3
+        assert catch_up.result(timeout=20).step == 0
+    finally:
+        ckpt.close()
+        helper.close()

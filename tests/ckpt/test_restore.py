@@ -196,3 +196,51 @@ def test_wrong_rank_copy_is_skipped(tiers):
     restored = chain.restore()
     assert restored.step == 3 and "of rank 1" in restored.skipped[0]
 
+
+
+def _recording_snapshotter(**kwargs) -> tuple[DualBufferSnapshotter, list[np.ndarray]]:
+    """A snapshotter whose buffers the test can reach (to corrupt them in place)."""
+    buffers: list[np.ndarray] = []
+
+    def allocate(nbytes: int) -> np.ndarray:
+        buffers.append(np.zeros(nbytes, dtype=np.uint8))
+        return buffers[-1]
+
+    return DualBufferSnapshotter(allocator=allocate, **kwargs), buffers
+
+
+def _flip_in_place(snapshotter: DualBufferSnapshotter, buffers: list[np.ndarray]) -> None:
+    with snapshotter.lease(checksums=False) as snap:
+        offset = snap.manifest.spec("model/w").offset + 11
+        (held,) = [b for b in buffers if np.shares_memory(b, snap.buffer)]
+    held[offset] ^= 0x04  # a bit flip in this process's RAM
+
+
+def test_memory_copy_corrupted_after_its_first_use_is_skipped(tiers):
+    snapshotter, buffers = _recording_snapshotter()
+    snapshot_of(5, snapshotter)
+    with snapshotter.lease():  # first use (a fetch, a backup push): checksums computed
+        pass
+    _flip_in_place(snapshotter, buffers)
+    chain = RestoreChain([MemoryTier(snapshotter.buffers),
+                          DiskTier(tiers.local, TierKind.LOCAL_DISK)], rank=0)
+    restored = chain.restore()
+    assert (restored.tier, restored.step) == (TierKind.LOCAL_DISK, 4)
+    assert "memory step 5: checksum mismatch in model/w" in restored.skipped[0]
+
+
+def test_eager_checksums_cover_the_memory_copy_from_the_start(tiers):
+    snapshotter, buffers = _recording_snapshotter(eager_checksums=True)
+    snapshot_of(5, snapshotter)
+    _flip_in_place(snapshotter, buffers)  # before any use
+    chain = RestoreChain([MemoryTier(snapshotter.buffers),
+                          DiskTier(tiers.local, TierKind.LOCAL_DISK)], rank=0)
+    assert chain.restore().tier is TierKind.LOCAL_DISK
+
+
+def test_check_finite_off_accepts_a_nan_copy(tiers):
+    chain = tiers.chain(wrap_memory=lambda t: _Corrupting(t, nan=True))
+    chain.check_finite = False
+    restored = chain.restore()
+    assert restored.tier is TierKind.MEMORY
+    assert np.isnan(restored.manifest.spec("model/w").view(restored.buffer)[0, 0])

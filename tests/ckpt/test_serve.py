@@ -19,7 +19,16 @@ import pytest
 from ckpt.backup import BackupSender, BackupStore
 from ckpt.dual import SlotState, Snapshot
 from ckpt.errors import FetchError
-from ckpt.fetch import CatchUp, Peer, _Deadline, _open, _read_exact, fetch_state, push_backup
+from ckpt.fetch import (
+    CatchUp,
+    Peer,
+    _Deadline,
+    _open,
+    _read_exact,
+    fetch_manifest,
+    fetch_state,
+    push_backup,
+)
 from ckpt.serve import StateServer
 from ckpt.snapshot import DualBufferSnapshotter
 from ckpt.wire import (
@@ -63,6 +72,17 @@ def test_fetch_round_trip_into_preallocated_buffer(streams):
     assert fetched.buffer is buffer
     assert_state_equal((fetched.manifest, fetched.buffer), 4, size=300_000)
     assert fetched.manifest.meta == {"step": 4}
+
+
+def test_a_served_manifest_carries_checksums_computed_on_first_use():
+    snapshotter = snapshot_of(4)
+    with snapshotter.lease(checksums=False) as snap:
+        assert not snap.manifest.checksummed
+    with serving(snapshotter) as peer:
+        manifest = fetch_manifest(peer, SECRET, Route(RouteKind.STATE_MANIFEST), timeout=10)
+    assert manifest.checksummed
+    with snapshotter.lease(checksums=False) as snap:
+        assert snap.manifest == manifest
 
 
 def test_fetch_refused_without_or_with_a_wrong_secret():
@@ -137,7 +157,7 @@ class _CorruptingProvider:
         self.buffer[self.manifest.spec("model/w").offset + 5] ^= 0x10
 
     @contextlib.contextmanager
-    def lease(self, step=None, timeout=0.0):
+    def lease(self, step=None, timeout=0.0, *, checksums=True):
         yield Snapshot(self.manifest, self.buffer)
 
 

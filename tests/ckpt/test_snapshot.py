@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -12,6 +13,7 @@ from ckpt.dual import TRANSITIONS, DualBuffer, SlotState
 from ckpt.errors import NoCheckpointError
 from ckpt.manifest import corrupt_tensors
 from ckpt.snapshot import ArrayState, DualBufferSnapshotter
+from tests.waiting import wait_until
 
 from .helpers import GatedSource, assert_state_equal, make_arrays, snapshot_of
 
@@ -106,11 +108,26 @@ def test_growing_state_reallocates_the_buffer():
     assert_state_equal(_held(snapshotter, 2), 2, size=100)
 
 
-def test_waiting_lease_returns_when_the_step_completes():
+def _stuck_in_tensor_0(kind: type[GatedSource] = GatedSource
+                       ) -> tuple[DualBufferSnapshotter, GatedSource]:
+    """Step 1 complete; the snapshot thread of step 2 held inside its first tensor."""
     snapshotter = snapshot_of(1)
-    source = GatedSource(make_arrays(2), gate_at=0)
+    source = kind(make_arrays(2), gate_at=0)
     snapshotter.start(2, source)
     assert source.reached.wait(10)
+    return snapshotter, source
+
+
+def _wait_ready_in_thread(snapshotter: DualBufferSnapshotter
+                          ) -> tuple[threading.Thread, list[SlotState]]:
+    waited: list[SlotState] = []
+    waiter = threading.Thread(target=lambda: waited.append(snapshotter.wait_ready(timeout=20)))
+    waiter.start()
+    return waiter, waited
+
+
+def test_waiting_lease_returns_when_the_step_completes():
+    snapshotter, source = _stuck_in_tensor_0()
     result: list[int] = []
 
     def reader() -> None:
@@ -141,3 +158,131 @@ def test_transition_table_rejects_illegal_moves():
     assert slot is not None and slot.state is SlotState.COPYING
     with pytest.raises(AssertionError, match="not an allowed transition"):
         slot.move(SlotState.COPYING)
+
+
+# ---------------------------------------------------------------------- lazy checksums
+
+
+def test_a_step_pays_for_the_copy_only_checksums_come_with_first_use():
+    snapshotter = snapshot_of(3)
+    with snapshotter.lease(checksums=False) as snap:
+        assert not snap.manifest.checksummed  # nothing computed during the step
+    with snapshotter.lease() as snap:
+        assert snap.manifest.checksummed
+        assert corrupt_tensors(snap.manifest, snap.buffer) == []
+    with snapshotter.lease(checksums=False) as snap:
+        assert snap.manifest.checksummed  # kept for every later reader
+
+
+def test_concurrent_first_uses_compute_the_checksums_once(monkeypatch):
+    import ckpt.dual
+
+    calls: list[int] = []
+    original = ckpt.dual.add_checksums
+
+    def counting(manifest, buffer):
+        calls.append(manifest.step)
+        return original(manifest, buffer)
+
+    monkeypatch.setattr(ckpt.dual, "add_checksums", counting)
+    snapshotter = snapshot_of(4, size=200_000)
+    seen: list[int | None] = []
+
+    def reader() -> None:
+        with snapshotter.lease() as snap:
+            seen.append(snap.manifest.spec("model/w").crc32)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert calls == [4]
+    assert len(seen) == 4 and len(set(seen)) == 1 and seen[0] is not None
+
+
+def test_eager_checksums_are_there_when_the_snapshot_completes():
+    snapshotter = snapshot_of(2, DualBufferSnapshotter(eager_checksums=True))
+    with snapshotter.lease(checksums=False) as snap:
+        assert snap.manifest.checksummed
+        assert corrupt_tensors(snap.manifest, snap.buffer) == []
+
+
+# ---------------------------------------------------------------------- copying while waiting
+
+
+def test_wait_ready_copies_what_the_snapshot_thread_has_not_reached():
+    snapshotter, source = _stuck_in_tensor_0()
+    waiter, waited = _wait_ready_in_thread(snapshotter)
+    tensors = len(make_arrays(2))
+    wait_until(lambda: snapshotter.stats.copied_while_waiting == tensors - 1, 10,
+               "the waiting thread to copy every other tensor")
+    assert waited == [] and snapshotter.latest_step() == 1  # still not complete
+    source.release.set()
+    waiter.join(20)
+    assert waited == [SlotState.COMPLETE]
+    assert snapshotter.wait_complete(timeout=10) is SlotState.COMPLETE
+    assert_state_equal(_held(snapshotter), 2)
+
+
+class _FailsWhileHelped(GatedSource):
+    """Holds the snapshot thread in tensor 0; tensor 2 fails for whoever copies it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.failed = threading.Event()
+
+    def copy_into(self, index, dest):
+        if index == 2:
+            self.failed.set()
+            raise RuntimeError("copy failed in the waiting thread (injected)")
+        super().copy_into(index, dest)
+
+
+def test_a_copy_failing_in_the_waiting_thread_fails_the_snapshot_not_training():
+    snapshotter, source = _stuck_in_tensor_0(_FailsWhileHelped)
+    waiter, waited = _wait_ready_in_thread(snapshotter)
+    assert isinstance(source, _FailsWhileHelped) and source.failed.wait(10)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # tensor 0 is still being read: training must not go on yet
+    source.release.set()
+    waiter.join(20)
+    assert waited == [SlotState.FAILED]
+    assert snapshotter.wait_complete(timeout=10) is SlotState.FAILED
+    assert snapshotter.latest_step() == 1
+    assert_state_equal(_held(snapshotter), 1)
+
+
+def test_without_help_the_waiting_thread_copies_nothing():
+    snapshotter = DualBufferSnapshotter(help_in_wait=False)
+    snapshotter.start(1, ArrayState(make_arrays(1)))
+    assert snapshotter.wait_ready(timeout=10) is SlotState.COMPLETE
+    assert snapshotter.stats.copied_while_waiting == 0
+    snapshotter.wait_complete(timeout=10)
+    assert_state_equal(_held(snapshotter), 1)
+
+
+class _RecordsPriority(GatedSource):
+    """Notes the niceness of whichever thread copies each tensor."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.nice: dict[int, int] = {}
+
+    def copy_into(self, index, dest):
+        self.nice[index] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        super().copy_into(index, dest)
+
+
+def test_snapshot_thread_runs_at_low_priority_helpers_at_the_callers():
+    snapshotter = DualBufferSnapshotter(worker_nice=17)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    source = _RecordsPriority(make_arrays(1), gate_at=0)
+    snapshotter.start(1, source)
+    assert source.reached.wait(10)  # tensor 0: the snapshot thread
+    waiter, _ = _wait_ready_in_thread(snapshotter)
+    wait_until(lambda: len(source.nice) == len(make_arrays(1)), 10, "every tensor to start")
+    source.release.set()
+    waiter.join(20)
+    assert source.nice[0] == max(own, 17)
+    assert set(list(source.nice.values())[1:]) == {own}  # the waiting thread and its helper

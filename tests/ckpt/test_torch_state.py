@@ -98,3 +98,20 @@ def test_bfloat16_state_round_trips():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_snapshot_on_its_own_stream_resumes_exactly():
     _resume_matches("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.complex128])
+def test_non_contiguous_tensors_are_copied_exactly(dtype):
+    base = torch.randn(6, 8) > 0 if dtype is torch.bool else (torch.randn(6, 8) * 9).to(dtype)
+    module = torch.nn.Module()
+    for name, tensor in {"t": base.t(), "strided": base[:, ::3], "scalar": base[2, 5]}.items():
+        assert name == "scalar" or not tensor.is_contiguous()
+        module.register_buffer(name, tensor)
+    snapshotter = DualBufferSnapshotter()
+    snapshotter.start(1, TorchStateSource(module, step=1, rng=False))
+    snapshotter.wait_complete(timeout=30)
+    with snapshotter.lease() as snap:
+        for name, tensor in module.named_buffers():
+            spec = snap.manifest.spec(f"model/{name}")
+            copied = torch.from_numpy(spec.raw(snap.buffer).copy()).view(dtype).view(spec.shape)
+            assert torch.equal(copied, tensor), name
