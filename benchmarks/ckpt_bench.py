@@ -208,13 +208,6 @@ def wait_figures(snapshotter: DualBufferSnapshotter) -> dict[str, float]:
             "tensors_copied_while_waiting": round(stats.copied_while_waiting / taken, 1)}
 
 
-def headline(overhead: dict[str, Any], name: str) -> float:
-    """The variant's median over clean samples (over all samples if none were clean)."""
-    figures = overhead["variants"][name]
-    chosen = figures["clean"] if figures["clean"]["n"] else figures["all"]
-    return float(chosen["median"])
-
-
 class SumChecksumSource:
     """A state source that also sums each copied tensor as 64-bit words (row and
     column sums of a 32 KiB-wide matrix): the fast checksum, taken at snapshot time."""
@@ -286,21 +279,19 @@ def copy_floor(nbytes: int, reps: int = 5) -> dict[str, float]:
         for start in range(first, last, piece):
             np.copyto(dest[start:min(start + piece, last)], source[start:min(start + piece, last)])
 
-    figures: dict[str, float] = {}
-    for threads in (1, 2):
-        seconds = []
-        for _ in range(reps):
-            cut = [nbytes * i // threads for i in range(threads + 1)]
-            workers = [threading.Thread(target=copy, args=(cut[i], cut[i + 1]))
-                       for i in range(threads)]
-            started = time.perf_counter()
-            for worker in workers:
-                worker.start()
-            for worker in workers:
-                worker.join()
-            seconds.append(time.perf_counter() - started)
-        figures[f"copy_{threads}_thread_s"] = min(seconds)
-    return figures
+    def timed_copy(threads: int) -> float:
+        cut = [nbytes * i // threads for i in range(threads + 1)]
+        workers = [threading.Thread(target=copy, args=(cut[i], cut[i + 1]))
+                   for i in range(threads)]
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        return time.perf_counter() - started
+
+    return {f"copy_{threads}_thread_s": min(timed_copy(threads) for _ in range(reps))
+            for threads in (1, 2)}
 
 
 # ---------------------------------------------------------------------- transfers
@@ -496,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         restore = timed("restore per tier", lambda: restore_times(snapshotter, Path(tmp)))
     nbytes = rates["bytes"]
     summary = {
-        "snapshot_overhead_pct": headline(overhead, next(iter(variants))),
+        # The first variant's median over clean samples (over all, if none was clean).
+        "snapshot_overhead_pct": next(float(f["clean" if f["clean"]["n"] else "all"]["median"])
+                                      for f in overhead["variants"].values()),
         "snapshot_GBps": round(nbytes / rates["copy_s"] / GB, 2),
         "fetch_GBps": round(fetch["fetch"], 2),
         "raw_socket_GBps": round(fetch["raw"], 2),
