@@ -158,9 +158,13 @@ class Manager:
         """Join the quorum for the next step; reconfigure FTAR; start catch-up if behind.
 
         A quorum that cannot form yet (election, stragglers, majority briefly lost) is
-        retried, each failure counted against ``runtime.max_consecutive_failures``."""
+        retried, each failure counted against ``runtime.max_consecutive_failures``.
+        Attempts are paced one join window apart: a replica that cannot reach a
+        majority is answered at once, and unpaced retries would spend the whole
+        budget in milliseconds instead of waiting for the others to come back."""
         self._error, self._contribution, self._catch_up = None, None, None
         while True:
+            attempt_started = time.monotonic()
             try:
                 view = self._quorum_view()
                 plan = plan_step(view, self.identity.replica_id, self.identity.rank,
@@ -169,6 +173,8 @@ class Manager:
             except RecoverableError as error:
                 log.warning("no quorum for step %d yet: %s", self.next_step, error)
                 self.budget.failed(error, self.next_step)
+                time.sleep(max(0.0, attempt_started + self.config.quorum.join_timeout
+                               - time.monotonic()))
         try:
             if plan.reconfigure:
                 self.ftar.reconfigure(plan.quorum_id, list(plan.ring), plan.my_index)

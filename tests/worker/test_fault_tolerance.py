@@ -136,3 +136,17 @@ def test_replicas_of_two_ranks_stay_identical_through_a_replica_failure(tmp_path
     assert len(rank1) == 3 and {f["state_sha256"] for f in rank1} == \
         {job.finals()[0]["state_sha256"]}
     assert any(e.caught_up for e in job.committed(1))
+
+
+def test_two_replica_job_waits_for_its_lost_half_then_goes_on(tmp_path):
+    """With 2 configured replicas one survivor is no majority: it must wait (paced
+    retries), not spend its failure budget at once, and resume when the other is back."""
+    job = loopback_job(tmp_path, replicas=2, steps=60)
+    job.start_all({1: "kill@after_commit:10"})
+    try:
+        kill_and_restart(job, 1, "after_commit")
+        finish_and_check(job, 60)
+    finally:
+        job.stop_everything()
+    assert "majority needs 2" in job.log(0)
+    assert [e.step for e in job.committed(0)] == list(range(60))  # waited; nothing skipped
