@@ -41,8 +41,6 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from pngplot import line_plot
-
 from ftcore.config import QuorumConfig
 from launcher.ettr import (
     JobModel,
@@ -54,6 +52,7 @@ from launcher.ettr import (
     periodic_failures,
     standby_size,
 )
+from launcher.pngplot import line_plot
 
 MIN = 60.0
 DAY = 86_400.0

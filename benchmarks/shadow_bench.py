@@ -57,10 +57,10 @@ for _path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(_path))
 
 import quorum_bench as qb
-from pngplot import line_plot
 
 from ftcore.config import FtarConfig
 from ftcore.ids import new_job_secret
+from launcher.pngplot import line_plot
 from launcher.worker.protocol import QuorumView, plan_step
 
 TARGET_ROUND_MS = 700.0

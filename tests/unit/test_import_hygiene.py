@@ -8,7 +8,8 @@ import pytest
 CONTROL_PLANE = ["ftcore.config", "ftcore.errors", "ftcore.events", "ftcore.slurm.client",
                  "ftcore.slurm.parse", "launcher.cli", "launcher.plan", "launcher.supervisor",
                  "launcher.recovery", "launcher.report", "launcher.standby",
-                 "launcher.quorum", "launcher.worker.manager"]
+                 "launcher.quorum", "launcher.worker.manager", "launcher.versions",
+                 "launcher.timeline"]
 
 
 @pytest.mark.parametrize("module", CONTROL_PLANE)

@@ -3,10 +3,11 @@
     line_plot("out.png", [("ours", xs, ys), ...], title="...", xlabel="...",
               ylabel="...", log_x=True)
 
-Enough for benchmark figures: axes with ticks, one coloured polyline with
-markers per series, a legend, a title, and a 3x5 pixel font (upper case) drawn
-at 2x. Not a test subject of its own beyond "the file is a valid PNG of the
-expected size"; keep it small.
+Enough for benchmark figures and the post-run timeline (``launcher.timeline``):
+``Axes`` (a box with ticks, shared by panels), one coloured polyline with
+markers per series, filled rectangles, a legend, a title, and a 3x5 pixel font
+(upper case) drawn at 2x. Not a test subject of its own beyond "the file is a
+valid PNG of the expected size"; keep it small.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import struct
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +82,13 @@ class Canvas:
         for t in np.linspace(0.0, 1.0, steps + 1):
             self.dot(x0 + (x1 - x0) * t, y0 + (y1 - y0) * t, colour, width // 2)
 
+    def rect(self, x0: float, y0: float, x1: float, y1: float,
+             colour: tuple[int, int, int]) -> None:
+        """Fill the pixels from (x0, y0) up to, not including, (x1, y1)."""
+        h, w, _ = self.pixels.shape
+        self.pixels[max(round(y0), 0):min(round(y1), h),
+                    max(round(x0), 0):min(round(x1), w)] = colour
+
     def text(self, x: int, y: int, text: str, colour: tuple[int, int, int] = _BLACK,
              scale: int = 2) -> int:
         """Draw ``text`` with its top-left at (x, y); returns the x after it."""
@@ -124,6 +133,74 @@ def _label(value: float) -> str:
     return f"{value:g}"
 
 
+@dataclass(frozen=True)
+class Axes:
+    """A plotting box in pixels and the data range it shows; a log axis keeps its
+    range in log10 units."""
+
+    left: int
+    right: int
+    top: int
+    bottom: int
+    x_range: tuple[float, float]
+    y_range: tuple[float, float]
+    log_x: bool = False
+    log_y: bool = False
+
+    def fx(self, value: float) -> float:
+        return math.log10(value) if self.log_x else value
+
+    def fy(self, value: float) -> float:
+        return math.log10(value) if self.log_y else value
+
+    def px(self, x: float) -> float:
+        low, high = self.x_range
+        return self.left + (self.fx(x) - low) / (high - low) * (self.right - self.left)
+
+    def py(self, y: float) -> float:
+        low, high = self.y_range
+        return self.bottom - (self.fy(y) - low) / (high - low) * (self.bottom - self.top)
+
+    def grid(self, canvas: Canvas, *, x_labels: bool = True, y_labels: bool = True) -> None:
+        """Grey grid lines at round values, their labels, and the two axis lines."""
+        x_low, x_high = self.x_range
+        y_low, y_high = self.y_range
+        x_ticks = ([10.0 ** e for e in range(math.floor(x_low), math.ceil(x_high) + 1)]
+                   if self.log_x else nice_ticks(x_low, x_high))
+        for x in x_ticks:
+            if x_low - 1e-9 <= self.fx(x) <= x_high + 1e-9:
+                canvas.line(self.px(x), self.top, self.px(x), self.bottom, _GREY)
+                label = f"1e{round(math.log10(x))}" if self.log_x else _label(x)
+                if x_labels:
+                    canvas.text(int(self.px(x)) - text_width(label) // 2, self.bottom + 8, label)
+        if y_labels:
+            y_ticks = ([10.0 ** e for e in range(math.ceil(y_low), math.floor(y_high) + 1)]
+                       if self.log_y else nice_ticks(y_low, y_high))
+            for y in y_ticks:
+                canvas.line(self.left, self.py(y), self.right, self.py(y), _GREY)
+                label = _label(y)
+                canvas.text(self.left - 8 - text_width(label), int(self.py(y)) - 5, label)
+        canvas.line(self.left, self.bottom, self.right, self.bottom, _BLACK, 2)
+        canvas.line(self.left, self.top, self.left, self.bottom, _BLACK, 2)
+
+    def plot(self, canvas: Canvas, series: Sequence[Series]) -> None:
+        """Each series as a polyline with markers, in ``COLOURS`` order; a NaN breaks
+        the line (matplotlib's convention), other unplottable values are skipped."""
+        for i, (_, xs, ys) in enumerate(series):
+            colour = COLOURS[i % len(COLOURS)]
+            runs: list[list[tuple[float, float]]] = [[]]
+            for x, y in zip(xs, ys, strict=True):
+                if math.isnan(y):
+                    runs.append([])
+                elif math.isfinite(y) and (y > 0 or not self.log_y):
+                    runs[-1].append((self.px(x), self.py(y)))
+            for points in runs:
+                for (a, b), (c, d) in itertools.pairwise(points):
+                    canvas.line(a, b, c, d, colour, 3)
+                for a, b in points:
+                    canvas.dot(a, b, colour, 3)
+
+
 def line_plot(path: str | Path, series: Sequence[Series], *, title: str, xlabel: str,
               ylabel: str, log_x: bool = False, log_y: bool = False,
               y_range: tuple[float, float] | None = None, legend_at: str = "lower left",
@@ -134,66 +211,43 @@ def line_plot(path: str | Path, series: Sequence[Series], *, title: str, xlabel:
     extra = 18 * len(series) + 10 if legend_at == "below" else 0
     canvas = Canvas(width, height + extra)
     left, right, top, bottom = 90, width - 30, 50, height - 70
-    xs_all = [x for _, xs, _ in series for x in xs]
     fx = (lambda v: math.log10(v)) if log_x else (lambda v: v)
     fy = (lambda v: math.log10(v)) if log_y else (lambda v: v)
+    xs_all = [fx(x) for _, xs, _ in series for x in xs]
     ys_all = [fy(y) for _, _, ys in series for y in ys if math.isfinite(y) and (y > 0 or not log_y)]
-    x_low, x_high = fx(min(xs_all)), fx(max(xs_all))
-    if x_high <= x_low:
-        x_high = x_low + 1.0
     y_low, y_high = (fy(y_range[0]), fy(y_range[1])) if y_range else (min(ys_all), max(ys_all))
-    if y_high <= y_low:
-        y_high = y_low + 1.0
-    pad = 0.0 if y_range else 0.05 * (y_high - y_low)
-    y_low, y_high = y_low - pad, y_high + pad
-
-    def px(x: float) -> float:
-        return left + (fx(x) - x_low) / (x_high - x_low) * (right - left)
-
-    def py(y: float) -> float:
-        return bottom - (fy(y) - y_low) / (y_high - y_low) * (bottom - top)
-
-    x_ticks = ([10.0 ** e for e in range(math.floor(x_low), math.ceil(x_high) + 1)]
-               if log_x else nice_ticks(x_low, x_high))
-    for x in x_ticks:
-        if x_low - 1e-9 <= fx(x) <= x_high + 1e-9:
-            canvas.line(px(x), top, px(x), bottom, _GREY)
-            label = f"1e{round(math.log10(x))}" if log_x else _label(x)
-            canvas.text(int(px(x)) - text_width(label) // 2, bottom + 8, label)
-    y_ticks = ([10.0 ** e for e in range(math.ceil(y_low), math.floor(y_high) + 1)]
-               if log_y else nice_ticks(y_low, y_high))
-    for y in y_ticks:
-        canvas.line(left, py(y), right, py(y), _GREY)
-        label = _label(y)
-        canvas.text(left - 8 - text_width(label), int(py(y)) - 5, label)
-    canvas.line(left, bottom, right, bottom, _BLACK, 2)
-    canvas.line(left, top, left, bottom, _BLACK, 2)
-    for i, (_, xs, ys) in enumerate(series):
-        colour = COLOURS[i % len(COLOURS)]
-        points = [(px(x), py(y)) for x, y in zip(xs, ys, strict=True)
-                  if math.isfinite(y) and (y > 0 or not log_y)]
-        for (a, b), (c, d) in itertools.pairwise(points):
-            canvas.line(a, b, c, d, colour, 3)
-        for a, b in points:
-            canvas.dot(a, b, colour, 3)
+    axes = Axes(left, right, top, bottom, span(min(xs_all), max(xs_all)),
+                span(y_low, y_high, 0.0 if y_range else 0.05), log_x, log_y)
+    axes.grid(canvas)
+    axes.plot(canvas, series)
     canvas.text((left + right - text_width(title, 3)) // 2, 12, title, scale=3)
     canvas.text((left + right - text_width(xlabel)) // 2, height - 30, xlabel)
     canvas.text(8, top - 30, ylabel)
-    _legend(canvas, series, legend_at, (left, right, top, bottom))
+    legend(canvas, [label for label, _, _ in series], legend_at, (left, right, top, bottom))
     write_png(path, canvas.pixels)
 
 
-def _legend(canvas: Canvas, series: Sequence[Series], where: str,
-            box: tuple[int, int, int, int]) -> None:
+def span(low: float, high: float, pad: float = 0.0) -> tuple[float, float]:
+    """An axis range: ``high`` > ``low`` (one unit wide when empty), widened by ``pad``
+    of its width on each side."""
+    if high <= low:
+        high = low + 1.0
+    margin = pad * (high - low)
+    return low - margin, high + margin
+
+
+def legend(canvas: Canvas, labels: Sequence[str], where: str,
+           box: tuple[int, int, int, int]) -> None:
+    """A line in ``COLOURS`` order and its label for each series, on white."""
     left, right, top, bottom = box
-    wide = 50 + max(text_width(label) for label, _, _ in series)
-    tall = 18 * len(series) + 8
+    wide = 50 + max(text_width(label) for label in labels)
+    tall = 18 * len(labels) + 8
     x = left + 12 if "left" in where or where == "below" else right - wide - 12
     y = top + 8 if "upper" in where else bottom - tall - 8
     if where == "below":
         y = bottom + 70
     canvas.pixels[y - 4:y + tall - 4, x - 6:x + wide] = 255
-    for i, (label, _, _) in enumerate(series):
+    for i, label in enumerate(labels):
         colour = COLOURS[i % len(COLOURS)]
         canvas.line(x, y + 5, x + 30, y + 5, colour, 3)
         canvas.text(x + 40, y, label)
