@@ -36,6 +36,13 @@ class StandbyPromoted(Event):
 
 
 @dataclass(frozen=True)
+class FullRestartOrdered(Event):
+    """Most replicas lost at once: every replica restarts from the newest checkpoint."""
+
+    placements: dict[str, list[str]]    # replica id -> nodes
+
+
+@dataclass(frozen=True)
 class RunFinished(Event):
     exit_code: int
     reason: str

@@ -7,8 +7,13 @@ controller can observe:
 | --------------------------------------- | ------------------------------------- | ----------------------------- |
 | node fault (alarm, node lost, gate fail)| evict node, promote a standby         | no standby: retry on survivors|
 | replica crashed, no clear cause         | retry in place (same nodes)           | evict + promote               |
-| majority of replicas lost at once       | full in-allocation restart (from ckpt)|                               |
+| majority lost, standbys enough (*)      | promote each; they rejoin and restore |                               |
+| majority lost, too few standbys         | full in-allocation restart (from ckpt)| too few nodes: give up        |
 | replica finished                        | let the others finish, then stop      |                               |
+
+(*) Better than restarting everyone: the promoted replicas catch up from any survivor
+(no step lost), and with no survivor each restores the newest persistent checkpoint and
+they form the quorum there: the full in-allocation restart, without cancelling anyone.
 
 The thin shell (``supervisor``) turns actions into srun / scancel / scontrol.
 """
@@ -218,6 +223,9 @@ def _crashed(state: RunState, event: ReplicaCrashed, policy: Policy
 
 
 def _lost_replicas(state: RunState, newly_lost: int) -> int:
+    """Replicas that cannot come back: the one just lost and those given up on for lack
+    of nodes. A replica being relaunched or promoted is not lost: it restores the newest
+    state (a survivor's, else the persistent checkpoint) and rejoins."""
     return sum(1 for r in state.replicas
                if r.replica_id == newly_lost or r.state is ReplicaState.FAILED)
 

@@ -42,6 +42,7 @@ class Summary:
     failures: int
     nodes_drained: list[str]
     promotions: int
+    full_restarts: int
     wall_s: float
     median_step_s: float
     longest_stall_s: float        # longest gap between commits of any replica that kept going
@@ -73,6 +74,7 @@ def summarize(run_dir: Path) -> Summary:
         final_step=max(e.step for events in by_replica.values() for e in events),
         failures=len(exits), nodes_drained=drained,
         promotions=sum(isinstance(e, controller_events.StandbyPromoted) for e in control),
+        full_restarts=sum(isinstance(e, controller_events.FullRestartOrdered) for e in control),
         wall_s=round(wall, 3), median_step_s=round(step, 4),
         longest_stall_s=round(max(gaps, default=0.0), 3),
         replica_downtime_s=round(replicas * wall - useful, 3),

@@ -7,7 +7,9 @@ slurm_plugins.gate -- python -m launcher.standby ...``), so it runs only on a no
 that passed the gate's checks. It imports what the training
 script needs (torch: seconds saved at promotion), writes ``standby/NODE.ready``
 and then waits, cheaply, for ``standby/NODE.activate`` (written atomically by
-the controller, naming the replica to become). On activation it runs the
+the controller, naming the replica to become). On activation it runs the gate's
+checks once more (a failure: ``standby/NODE.unhealthy`` and exit 76, so the
+controller evicts the node and promotes the next standby), then runs the
 training script *in this process* (so the imports stay warm) as that replica.
 The wait is bounded by the step: the controller cancels unused standbys.
 """
@@ -23,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from ftcore.errors import ExitCode
+from ftcore.errors import ExitCode, FtError
 from ftcore.files import atomic_write_text
 from ftcore.logs import configure_logging
 
@@ -43,9 +45,32 @@ def ready_file(run_dir: Path, node: str) -> Path:
     return standby_dir(run_dir) / f"{node}.ready"
 
 
-def activate(run_dir: Path, node: str, env: dict[str, str]) -> None:
-    """Controller side: hand ``node``'s agent its replica identity."""
-    atomic_write_text(activation_file(run_dir, node), json.dumps({"env": env}))
+def unhealthy_file(run_dir: Path, node: str) -> Path:
+    return standby_dir(run_dir) / f"{node}.unhealthy"
+
+
+def activate(run_dir: Path, node: str, env: dict[str, str],
+             command: tuple[str, ...] | None = None) -> None:
+    """Controller side: hand ``node``'s agent its replica identity (and the command to
+    run, when it differs from the one the agent was warmed for)."""
+    order: dict[str, object] = {"env": env}
+    if command is not None:
+        order["command"] = list(command)
+    atomic_write_text(activation_file(run_dir, node), json.dumps(order))
+
+
+def recheck(node: str) -> str | None:
+    """The gate's checks again, at promotion: None when healthy, else the reason."""
+    from slurm_plugins.gate import gate, parse_args
+
+    try:
+        code, report = gate(parse_args([]), os.environ)
+    except FtError as error:
+        return f"health gate could not run: {error}"
+    if code == ExitCode.OK:
+        return None
+    failure = report.failure if report is not None else None
+    return f"health gate failed at promotion: {failure.reason if failure else code}"
 
 
 def is_python(command: list[str]) -> bool:
@@ -80,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     order = json.loads(activation.read_text())
     os.environ.update(order["env"])
     log.info("standby %s promoted: %s", args.node, order["env"])
+    # The node passed the gate when this agent started, maybe hours ago: check again
+    # before it becomes a replica (a failure here costs one more promotion, not a job).
+    unhealthy = recheck(args.node)
+    if unhealthy is not None:
+        atomic_write_text(unhealthy_file(args.run_dir, args.node), unhealthy)
+        return ExitCode.NODE_UNHEALTHY
+    command = list(order.get("command") or command)   # a hot update may have changed it
     if is_python(command):
         sys.argv = command[1:]
         runpy.run_path(command[1], run_name="__main__")

@@ -29,6 +29,7 @@ from ftcore.slurm.states import Disposition, node_disposition
 from . import recovery as rc
 from .events import (
     EventTail,
+    FullRestartOrdered,
     NodeFaultDetected,
     ReplicaExited,
     ReplicaLaunched,
@@ -36,7 +37,7 @@ from .events import (
     StandbyPromoted,
 )
 from .plan import LaunchPlan, replica_step_spec
-from .standby import activate
+from .standby import activate, unhealthy_file
 from .worker.events import StepCommitted
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ class Watched:
 @dataclass
 class Progress:
     last_step: int = -1
-    last_time: float = field(default_factory=time.monotonic)
+    last_time: float = field(default_factory=time.monotonic)  # last commit or (re)launch
+    last_commit: float | None = None
 
 
 class Supervisor:
@@ -151,9 +153,11 @@ class Supervisor:
     def _read_progress(self, now: float) -> list[rc.Event]:
         found: list[rc.Event] = []
         for replica_id, tail in self.tails.items():
+            # Any new commit is progress: after a full restart, steps repeat from the
+            # checkpoint's, below the highest ever seen.
             steps = [e.step for e in tail.read() if isinstance(e, StepCommitted)]
-            if steps and max(steps) > self.progress[replica_id].last_step:
-                self.progress[replica_id] = Progress(max(steps), now)
+            if steps:
+                self.progress[replica_id] = Progress(max(steps), now, now)
                 found.append(rc.ReplicaProgressed(replica_id))
         return found
 
@@ -170,7 +174,7 @@ class Supervisor:
                 found.append(rc.ReplicaFinished(replica_id))
             elif code == ExitCode.NODE_UNHEALTHY:
                 node = self.state.replica(replica_id).nodes[0]
-                found.append(self._fault(replica_id, node, "health gate failed"))
+                found.append(self._fault(replica_id, node, self._gate_reason(node)))
             else:
                 found.append(rc.ReplicaCrashed(replica_id, code))
         for node, watched in list(self.standbys.items()):
@@ -181,10 +185,20 @@ class Supervisor:
                     found.append(self._fault(None, node, f"standby agent exited with {code}"))
         return found
 
+    def _gate_reason(self, node: str) -> str:
+        """What the gate found, when a promoted standby wrote it down."""
+        try:
+            return unhealthy_file(self.run_dir, node).read_text(encoding="utf-8").strip()
+        except OSError:
+            return "health gate failed"
+
     def _check_stalls(self, now: float) -> list[rc.Event]:
-        """A replica that stopped committing while another went on: its node is suspect."""
+        """A replica that stopped committing while another went on: its node is suspect.
+        Only commits count as going on: a replica just (re)launched is not progress, and
+        survivors of a lost majority are stalled by the quorum, not by their nodes."""
         timeout = self.config.recovery
-        newest = max((p.last_time for p in self.progress.values()), default=now)
+        newest = max((p.last_commit for p in self.progress.values()
+                      if p.last_commit is not None), default=-float("inf"))
         found: list[rc.Event] = []
         for replica in self.state.replicas:
             if replica.replica_id not in self.replicas:
@@ -243,6 +257,8 @@ class Supervisor:
         elif isinstance(action, rc.RelaunchReplica):
             self.launch_replica(action.replica_id, action.nodes, "relaunch")
         elif isinstance(action, rc.FullRestart):
+            self.events.emit(FullRestartOrdered(placements={str(r): list(nodes) for r, nodes
+                                                            in action.placements}))
             for replica_id, nodes in action.placements:
                 self.launch_replica(replica_id, nodes, "restart")
         elif isinstance(action, rc.GiveUp):

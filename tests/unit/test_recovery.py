@@ -85,3 +85,24 @@ def test_crashing_before_the_first_step_is_fatal_not_a_node_fault():
     assert actions == [rc.RelaunchReplica(0, ("n0",))]
     _, actions = rc.decide(first, rc.ReplicaCrashed(0, exit_code=2))
     assert len(actions) == 1 and actions[0].fatal and "training command" in actions[0].reason
+
+
+def test_losing_two_of_three_with_two_standbys_promotes_both_without_a_restart():
+    s = state(replicas=3, standby=("s1", "s2"))
+    s, actions = rc.decide(s, rc.NodeFaulted(1, "n1", "down"))
+    assert rc.PromoteStandby(1, "s1") in actions
+    new, actions = rc.decide(s, rc.NodeFaulted(2, "n2", "down"))
+    assert actions == [rc.EvictNode("n2", "down"), rc.CancelReplica(2),
+                       rc.PromoteStandby(2, "s2")]
+    assert new.restarts == 0 and new.replica(0).state is rc.ReplicaState.RUNNING
+
+
+def test_two_faults_in_four_replicas_are_two_promotions_not_a_restart():
+    s = state(replicas=4, standby=("s1", "s2"))
+    s, _ = rc.decide(s, rc.NodeFaulted(1, "n1", "down"))
+    new, actions = rc.decide(s, rc.NodeFaulted(2, "n2", "down"))
+    assert actions == [rc.EvictNode("n2", "down"), rc.CancelReplica(2),
+                       rc.PromoteStandby(2, "s2")]
+    back, _ = rc.decide(new, rc.ReplicaProgressed(1))
+    _, actions = rc.decide(back, rc.NodeFaulted(3, "n3", "down"))   # no standby left
+    assert not any(isinstance(a, rc.FullRestart) for a in actions)
