@@ -29,6 +29,8 @@ from .ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_si
 from .plan import LaunchPlan, plan_allocation
 from .report import status_text, summarize
 from .supervisor import Supervisor
+from .timeline import render_timeline
+from .versions import write_update_request
 from .worker.identity import ENV_CONFIG, ENV_JOB_ID, ENV_NUM_REPLICAS, ENV_RUN_DIR, ENV_SECRET
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,30 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir", type=Path, nargs="?",
                         help="run directory (default: <run.log_dir>/$SLURM_JOB_ID)")
     status.add_argument("--summary", action="store_true", help="print the run summary (JSON)")
+
+    update = sub.add_parser(
+        "update", help="hot-update the training command of a running job",
+        description="Record a new code version for a running job. It is applied at each "
+                    "replica's next recovery; --urgent restarts the replicas now, one at a "
+                    "time (the others keep training); otherwise they are restarted after the "
+                    "window (default 24 h). A version on which a replica fails repeatedly "
+                    "without a step is rolled back. Every change is in controller.jsonl.")
+    update.add_argument("--run-dir", type=Path,
+                        help="run directory (default: <run.log_dir>/$SLURM_JOB_ID)")
+    update.add_argument("--urgent", action="store_true", help="apply now (rolling restart)")
+    update.add_argument("--window", type=float, metavar="S",
+                        help="force the update after S seconds (default 24 h)")
+    update.add_argument("--note", default="", help="why (recorded with the version)")
+    update.add_argument("train_command", nargs=argparse.REMAINDER,
+                        help="-- then the new training command (run from the current "
+                             "directory's point of view: its files are digested now)")
+
+    timeline = sub.add_parser("timeline", help="draw a run's timeline (PNG)",
+                              description="Replica states (training, down, recovering, "
+                                          "finished) and committed steps over time.")
+    timeline.add_argument("run_dir", type=Path, nargs="?",
+                          help="run directory (default: <run.log_dir>/$SLURM_JOB_ID)")
+    timeline.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/timeline.png)")
 
     size = sub.add_parser(
         "standby-size", help="how many warm standby nodes to hold (binomial percentile)",
@@ -186,12 +212,13 @@ def command_run(args: argparse.Namespace, config: Config) -> int:
         summary = summarize(run_dir)
         (run_dir / "summary.json").write_text(summary.to_json() + "\n")
         sys.stdout.write(f"summary ({run_dir / 'summary.json'}):\n{summary.to_json()}\n")
-    except ValueError as error:
+        sys.stdout.write(f"timeline: {render_timeline(run_dir, run_dir / 'timeline.png')}\n")
+    except (ValueError, UsageError) as error:
         log.warning("no summary: %s", error)
     return code
 
 
-def command_status(args: argparse.Namespace, config: Config) -> int:
+def _run_dir(args: argparse.Namespace, config: Config) -> Path:
     run_dir = args.run_dir
     if run_dir is None:
         job_id = os.environ.get("SLURM_JOB_ID")
@@ -200,6 +227,30 @@ def command_status(args: argparse.Namespace, config: Config) -> int:
         run_dir = Path(config.run.log_dir) / job_id
     if not (run_dir / "controller.jsonl").exists():
         raise UsageError(f"{run_dir} is not an ft-launch run directory (no controller.jsonl)")
+    return run_dir
+
+
+def command_update(args: argparse.Namespace, config: Config) -> int:
+    run_dir = _run_dir(args, config)
+    request = write_update_request(run_dir, _train_command(args), urgent=args.urgent,
+                                   window_s=args.window, note=args.note)
+    when = "now, one replica at a time" if args.urgent else (
+        f"at each replica's next recovery, at the latest after "
+        f"{'24 h' if args.window is None else f'{args.window:g} s'}")
+    sys.stdout.write(f"update request {request.number} recorded (digest "
+                     f"{request.digest[:12]}): applied {when}\n")
+    return ExitCode.OK
+
+
+def command_timeline(args: argparse.Namespace, config: Config) -> int:
+    run_dir = _run_dir(args, config)
+    out = render_timeline(run_dir, args.out or run_dir / "timeline.png")
+    sys.stdout.write(f"{out}\n")
+    return ExitCode.OK
+
+
+def command_status(args: argparse.Namespace, config: Config) -> int:
+    run_dir = _run_dir(args, config)
     if args.summary:
         sys.stdout.write(summarize(run_dir).to_json() + "\n")
     else:
@@ -245,6 +296,7 @@ def command_standby_size(args: argparse.Namespace, config: Config) -> int:
 
 
 COMMANDS = {"plan": command_plan, "run": command_run, "status": command_status,
+            "update": command_update, "timeline": command_timeline,
             "standby-size": command_standby_size}
 
 

@@ -38,11 +38,14 @@ class LaunchPlan:
 
 
 def replica_step_spec(plan: LaunchPlan, nodes: tuple[str, ...], replica_id: int,
-                      extra_args: tuple[str, ...] = ()) -> StepSpec:
-    """The step of ``replica_id`` on ``nodes`` (its first nodes, or a promoted standby)."""
+                      extra_args: tuple[str, ...] = (),
+                      command: tuple[str, ...] | None = None) -> StepSpec:
+    """The step of ``replica_id`` on ``nodes`` (its first nodes, or a promoted standby),
+    running ``command`` (default: the plan's; a hot update replaces it)."""
     export = (f"--export=ALL,{ENV_REPLICA_ID}={replica_id},"
               f"{ENV_NUM_REPLICAS}={len(plan.replicas)}")
-    return StepSpec(nodes=nodes, command=plan.command, tasks_per_node=plan.tasks_per_node,
+    return StepSpec(nodes=nodes, command=command or plan.command,
+                    tasks_per_node=plan.tasks_per_node,
                     name=f"replica-{replica_id}", job_id=plan.job_id,
                     extra_args=(export, *extra_args))
 

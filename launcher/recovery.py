@@ -10,6 +10,7 @@ controller can observe:
 | majority lost, standbys enough (*)      | promote each; they rejoin and restore |                               |
 | majority lost, too few standbys         | full in-allocation restart (from ckpt)| too few nodes: give up        |
 | replica finished                        | let the others finish, then stop      |                               |
+| restart requested (code update)         | relaunch in place, not a failure      |                               |
 
 (*) Better than restarting everyone: the promoted replicas catch up from any survivor
 (no step lost), and with no survivor each restores the newest persistent checkpoint and
@@ -88,7 +89,14 @@ class ReplicaFinished:
     replica_id: int
 
 
-Event = ReplicaCrashed | NodeFaulted | ReplicaProgressed | ReplicaFinished
+@dataclass(frozen=True)
+class RestartRequested:
+    """Restart a healthy replica in place on purpose (a code update): not a failure."""
+
+    replica_id: int
+
+
+Event = ReplicaCrashed | NodeFaulted | ReplicaProgressed | ReplicaFinished | RestartRequested
 
 
 # --------------------------------------------------------------------------- actions
@@ -155,6 +163,13 @@ def decide(state: RunState, event: Event, policy: Policy | None = None
         return state.with_replica(replace(replica, state=ReplicaState.FINISHED)), []
     if isinstance(event, NodeFaulted):
         return _node_faulted(state, event)
+    if isinstance(event, RestartRequested):
+        replica = state.replica(event.replica_id)
+        if replica.state in (ReplicaState.FINISHED, ReplicaState.FAILED):
+            return state, []
+        state = state.with_replica(replace(replica, state=ReplicaState.RECOVERING))
+        return state, [CancelReplica(replica.replica_id),
+                       RelaunchReplica(replica.replica_id, replica.nodes)]
     return _crashed(state, event, policy)
 
 

@@ -13,6 +13,7 @@ from ftcore.events import Event, NodeDrained, read_events
 from launcher.worker import events as worker_events
 
 from . import events as controller_events
+from . import versions  # noqa: F401  (registers the code-version events it logs)
 
 
 def _events(path: Path) -> list[Event]:

@@ -21,12 +21,13 @@ from pathlib import Path
 
 from ftcore.config import Config
 from ftcore.errors import ExitCode, SlurmCommandError
-from ftcore.events import EventLog, NodeDrained
+from ftcore.events import Event, EventLog, NodeDrained
 from ftcore.slurm.client import SlurmBackend
 from ftcore.slurm.commands import StepSpec
 from ftcore.slurm.states import Disposition, node_disposition
 
 from . import recovery as rc
+from . import versions as cv
 from .events import (
     EventTail,
     FullRestartOrdered,
@@ -38,7 +39,7 @@ from .events import (
 )
 from .plan import LaunchPlan, replica_step_spec
 from .standby import activate, unhealthy_file
-from .worker.events import StepCommitted
+from .worker.events import StepCommitted, WorkerStarted
 
 log = logging.getLogger(__name__)
 NODE_CHECK_INTERVAL = 2.0
@@ -58,6 +59,9 @@ class Progress:
     last_step: int = -1
     last_time: float = field(default_factory=time.monotonic)  # last commit or (re)launch
     last_commit: float | None = None
+    #: (re)launched: commits count again only after the new process says it started
+    #: (lines the cancelled one wrote may still be unread)
+    awaiting_start: bool = False
 
 
 class Supervisor:
@@ -83,6 +87,10 @@ class Supervisor:
         self.logs.mkdir(parents=True, exist_ok=True)
         self._finished_at: float | None = None
         self._last_node_check = 0.0
+        self.versions = cv.VersionState.initial(
+            plan.command, cv.digest_command(plan.command, Path.cwd()),
+            [r.replica_id for r in plan.replicas], time.time())
+        self._updates_read = 0
 
     # ------------------------------------------------------------------ launching
 
@@ -95,12 +103,17 @@ class Supervisor:
         for node in nodes:  # a node taken over from the pool: end its standby agent
             self._cancel_standby(node)
         spec = replica_step_spec(self.plan, nodes, replica_id,
-                                 self.config.slurm.srun_extra_args)
+                                 self.config.slurm.srun_extra_args,
+                                 command=self._command_for(replica_id))
         env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
         proc = self._popen(spec, env, f"replica-{replica_id}.log")
         self.replicas[replica_id] = Watched(spec.name, proc, time.monotonic())
-        self.progress[replica_id].last_time = time.monotonic()
+        self._restarted(replica_id)
         self.events.emit(ReplicaLaunched(replica_id=replica_id, nodes=list(nodes), how=how))
+
+    def _restarted(self, replica_id: int) -> None:
+        progress = self.progress[replica_id]
+        progress.last_time, progress.awaiting_start = time.monotonic(), True
 
     def launch_standby(self, node: str) -> None:
         command = (sys.executable, "-m", "slurm_plugins.gate", "--",
@@ -143,19 +156,80 @@ class Supervisor:
             self._last_node_check = now
             observed += self._check_nodes()
         for event in observed:
-            self.state, actions = rc.decide(self.state, event, self.policy)
-            for action in actions:
-                code = self.execute(action)
-                if code is not None:
-                    return code
-        return self._finish_code(now)
+            code = self._execute_all(self._decide(event))
+            if code is not None:
+                return code
+        code = self._execute_all(self._check_updates())
+        return code if code is not None else self._finish_code(now)
+
+    def _decide(self, event: rc.Event) -> list[rc.Action | cv.VersionAction]:
+        """Recovery and code versions both hear of the event. A crash that rolls back a
+        code update is the code's fault, not the node's: the replica is relaunched in
+        place on the older version instead of evicting its node."""
+        if isinstance(event, rc.ReplicaProgressed) and \
+                self.progress[event.replica_id].awaiting_start:
+            return []  # read before an action of this poll relaunched it: stale
+        fact = _version_fact(event)
+        versioned = self._versions(fact) if fact is not None else []
+        if isinstance(event, rc.ReplicaCrashed) and any(isinstance(a, cv.RollBack)
+                                                        for a in versioned):
+            event = rc.RestartRequested(event.replica_id)
+        self.state, actions = rc.decide(self.state, event, self.policy)
+        replica_id = getattr(event, "replica_id", None)
+        if replica_id is not None and self.state.replica(replica_id).state \
+                is rc.ReplicaState.FAILED:   # given up on: the rollout stops waiting for it
+            versioned += self._versions(cv.ReplicaRetired(replica_id))
+        return [*versioned, *actions]
+
+    def _execute_all(self, actions: list[rc.Action | cv.VersionAction]) -> int | None:
+        for action in actions:
+            code = self.execute(action)
+            if code is not None:
+                return code
+        return None
+
+    # ------------------------------------------------------------------ code versions
+
+    def _versions(self, event: cv.VersionEvent) -> list[cv.VersionAction]:
+        self.versions, actions = cv.decide_version(self.versions, event, time.time())
+        return actions
+
+    def _command_for(self, replica_id: int) -> tuple[str, ...]:
+        """Every launch asks which code version the replica runs (a pending update is
+        applied at its next recovery)."""
+        actions = self._versions(cv.ReplicaLaunching(replica_id))
+        for action in actions:
+            if isinstance(action, Event):
+                self.events.emit(action)
+        (run,) = [a for a in actions if isinstance(a, cv.RunVersion)]
+        return run.version.command
+
+    def _check_updates(self) -> list[cv.VersionAction]:
+        """New ``ft-launch update`` requests, then the forced windows."""
+        actions: list[cv.VersionAction] = []
+        try:
+            requests = cv.read_update_requests(self.run_dir, after=self._updates_read)
+        except cv.UpdateRequestError as error:
+            log.error("update request ignored: %s", error)
+            requests = []
+            self._updates_read += 1
+        for request in requests:
+            self._updates_read = max(self._updates_read, request.number)
+            actions += self._versions(cv.UpdateRequested(request))
+        return actions + self._versions(cv.Tick())
 
     def _read_progress(self, now: float) -> list[rc.Event]:
         found: list[rc.Event] = []
         for replica_id, tail in self.tails.items():
             # Any new commit is progress: after a full restart, steps repeat from the
             # checkpoint's, below the highest ever seen.
-            steps = [e.step for e in tail.read() if isinstance(e, StepCommitted)]
+            progress = self.progress[replica_id]
+            steps = []
+            for event in tail.read():
+                if isinstance(event, WorkerStarted):
+                    progress.awaiting_start = False
+                elif isinstance(event, StepCommitted) and not progress.awaiting_start:
+                    steps.append(event.step)
             if steps:
                 self.progress[replica_id] = Progress(max(steps), now, now)
                 found.append(rc.ReplicaProgressed(replica_id))
@@ -246,8 +320,17 @@ class Supervisor:
 
     # ------------------------------------------------------------------ actions
 
-    def execute(self, action: rc.Action) -> int | None:
+    def execute(self, action: rc.Action | cv.VersionAction) -> int | None:
+        if isinstance(action, Event):
+            self.events.emit(action)
+            return None
         log.info("action: %s", action)
+        if isinstance(action, cv.RestartReplicaForUpdate):
+            self.state, actions = rc.decide(self.state, rc.RestartRequested(action.replica_id),
+                                            self.policy)
+            return self._execute_all(actions)
+        if isinstance(action, (cv.RunVersion, cv.RollBack)):
+            return None  # the launch reads it / the records say it; relaunches follow
         if isinstance(action, rc.EvictNode):
             self._drain(action.node, action.reason)
         elif isinstance(action, rc.CancelReplica):
@@ -281,9 +364,9 @@ class Supervisor:
     def _promote(self, replica_id: int, node: str) -> None:
         watched = self.standbys.pop(node)
         env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
-        activate(self.run_dir, node, env)
+        activate(self.run_dir, node, env, command=self._command_for(replica_id))
         self.replicas[replica_id] = Watched(watched.name, watched.proc, time.monotonic())
-        self.progress[replica_id].last_time = time.monotonic()
+        self._restarted(replica_id)
         self.events.emit(StandbyPromoted(replica_id=replica_id, node=node))
         self.events.emit(ReplicaLaunched(replica_id=replica_id, nodes=[node], how="promoted"))
 
@@ -314,3 +397,16 @@ class Supervisor:
             self._cancel_replica(replica_id)
         for node in list(self.standbys):
             self._cancel_standby(node)
+
+
+def _version_fact(event: rc.Event) -> cv.VersionEvent | None:
+    """What the code-version bookkeeping needs to know of a recovery event. A node fault
+    counts as a failure too: the table rolls back an update when the same replica fails
+    again after a retry or an eviction."""
+    if isinstance(event, rc.ReplicaProgressed):
+        return cv.ReplicaProgressed(event.replica_id)
+    if isinstance(event, rc.ReplicaFinished):
+        return cv.ReplicaRetired(event.replica_id)
+    if isinstance(event, (rc.ReplicaCrashed, rc.NodeFaulted)) and event.replica_id is not None:
+        return cv.ReplicaFailed(event.replica_id)
+    return None

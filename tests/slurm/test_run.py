@@ -11,13 +11,16 @@ differs is the fault:
   and the replica goes to the next standby;
 * the standby node dies while it is being promoted: the next standby takes over;
 * every replica node dies (the controller runs alone on the batch host): the
-  replicas restart in the allocation from the newest persistent checkpoint.
+  replicas restart in the allocation from the newest persistent checkpoint;
+* a hot update rolls through the replicas one at a time, and a broken one is
+  rolled back without evicting any node.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from launcher import events as controller_events
+from launcher import versions
 from launcher.report import commits, controller_log
 from launcher.standby import ready_file
 from launcher.worker.audit import check_exactly_once
@@ -224,3 +228,30 @@ def test_losing_every_replica_restarts_them_in_the_allocation_from_the_checkpoin
         # resumed from a checkpoint (every 40 steps), not from zero, and redid the steps
         # after it identically (the audit merges records of equal steps)
         assert repeated and repeated[0] > 0 and (repeated[0] - 1) % 40 in (0, 39), steps
+
+
+def update(run: Training, *train_args: str, note: str) -> None:
+    command = [sys.executable, "etc/examples/gpt/train.py", "--steps", str(run.steps),
+               "--size", "small", "--threads", "1", *train_args]
+    subprocess.run([sys.executable, "-m", "launcher.cli", "update", "--run-dir", str(run.run_dir),
+                    "--urgent", "--note", note, "--", *command],
+                   cwd=REPO, check=True, timeout=60, capture_output=True)
+
+
+def test_hot_update_rolls_through_replicas_and_a_bad_one_is_rolled_back(training):
+    run = training(steps=1200)
+    run.wait_training(40)
+    update(run, "--code-tag", "v2", note="v2")
+    wait_until(lambda: {e.replica_id for e in run.events(versions.CodeVersionApplied)
+                        if e.version == 2} == {0, 1, 2}, 120, "v2 on every replica")
+    update(run, "--code-tag", "v3", "--size", "no-such-size", note="broken")
+    (rollback,) = wait_until(lambda: run.events(versions.CodeRolledBack), 120,
+                             "the broken version to be rolled back")
+    assert (rollback.from_version, rollback.to_version) == (3, 2)
+    summary = run.finish()
+    finals = [json.loads(p.read_text()) for p in (run.run_dir / "final").glob("*.json")]
+    assert {f["code_tag"] for f in finals} == {"v2"}
+    # the bad code cost no node: relaunched in place, never evicted, nothing promoted
+    assert summary["nodes_drained"] == [] and summary["promotions"] == 0
+    restarts = [e for e in run.events(controller_events.ReplicaLaunched) if e.how == "relaunch"]
+    assert len(restarts) >= 3 + 2   # the rolling update, then the bad version and its rollback

@@ -83,3 +83,15 @@ def test_cli_standby_size():
     assert "ETTR gained per standby node" in result.stdout
     bad = run_cli("standby-size", "--machines", "0", "--daily-failure-rate", "0.1", "--window", "1")
     assert bad.returncode == 2 and "--machines" in bad.stderr
+
+
+def test_cli_update_records_a_request_and_rejects_a_run_dir_that_is_not_one(tmp_path):
+    (tmp_path / "controller.jsonl").write_text("")
+    done = run_cli("update", "--run-dir", str(tmp_path), "--urgent", "--note", "fix",
+                   "--", "python3", "train.py", "--lr", "1e-3")
+    assert done.returncode == 0, done.stderr
+    assert "update request 1 recorded" in done.stdout and "now" in done.stdout
+    record = json.loads((tmp_path / "updates" / "0001.json").read_text())
+    assert record["command"] == ["python3", "train.py", "--lr", "1e-3"] and record["urgent"]
+    missing = run_cli("update", "--run-dir", str(tmp_path / "nope"), "--", "python3", "x.py")
+    assert missing.returncode == 2 and "not an ft-launch run directory" in missing.stderr

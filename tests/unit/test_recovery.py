@@ -106,3 +106,12 @@ def test_two_faults_in_four_replicas_are_two_promotions_not_a_restart():
     back, _ = rc.decide(new, rc.ReplicaProgressed(1))
     _, actions = rc.decide(back, rc.NodeFaulted(3, "n3", "down"))   # no standby left
     assert not any(isinstance(a, rc.FullRestart) for a in actions)
+
+
+def test_a_requested_restart_relaunches_in_place_without_counting_a_failure():
+    running, _ = rc.decide(state(), rc.ReplicaProgressed(1))
+    new, actions = rc.decide(running, rc.RestartRequested(1))
+    assert actions == [rc.CancelReplica(1), rc.RelaunchReplica(1, ("n1",))]
+    assert new.replica(1).state is rc.ReplicaState.RECOVERING and new.replica(1).failures == 0
+    done, _ = rc.decide(running, rc.ReplicaFinished(1))
+    assert rc.decide(done, rc.RestartRequested(1))[1] == []

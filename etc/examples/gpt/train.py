@@ -56,6 +56,8 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--code-tag", default="",
+                        help="a label for this code version, kept in the final record")
     args = parser.parse_args()
     configure_logging("INFO")
     if args.threads:
@@ -89,7 +91,7 @@ def main() -> int:
                          plan.kind.value, (plan.step + 1) / max(elapsed, 1e-9))
         final = {"replica_id": me.replica_id, "step": manager.next_step - 1,
                  "loss": loss_value, "state_sha256": state_hash(model, optimizer),
-                 "positions": manager.ledger.positions}
+                 "positions": manager.ledger.positions, "code_tag": args.code_tag}
         out = me.run_dir / "final" / f"replica-{me.replica_id}-rank-{me.rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(final))
