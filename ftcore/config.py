@@ -47,6 +47,14 @@ class StandbyMode(enum.Enum):
     RESERVATION = "reservation"       # a standby job inside a site reservation
 
 
+class PromotionPath(enum.Enum):
+    """How a standby node held in a reservation becomes a replica (reservation mode)."""
+
+    AUTO = "auto"                     # expansion where the site permits it, else standby_job
+    EXPANSION = "expansion"           # move the node into the main job (permit_job_expansion)
+    STANDBY_JOB = "standby_job"       # run the replica as a step of the standby job (warm)
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """How the allocation is split into replicas and standby nodes."""
@@ -57,6 +65,7 @@ class JobConfig:
     standby: int = 0
     standby_mode: StandbyMode = StandbyMode.IN_ALLOCATION
     reservation: str = ""
+    promote_by: PromotionPath = PromotionPath.AUTO
     exclude_batch_host: bool = False
 
     def problems(self) -> Iterable[tuple[str, str]]:

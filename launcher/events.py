@@ -33,6 +33,7 @@ class NodeFaultDetected(Event):
 class StandbyPromoted(Event):
     replica_id: int
     node: str
+    how: str = "warm agent in the allocation"
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftcore.config import JobConfig
+from ftcore.config import JobConfig, StandbyMode
 from ftcore.errors import UsageError
 from ftcore.slurm.commands import StepSpec, srun_argv
 
@@ -39,7 +39,8 @@ class LaunchPlan:
 
 def replica_step_spec(plan: LaunchPlan, nodes: tuple[str, ...], replica_id: int,
                       extra_args: tuple[str, ...] = (),
-                      command: tuple[str, ...] | None = None) -> StepSpec:
+                      command: tuple[str, ...] | None = None,
+                      overlap: bool = False) -> StepSpec:
     """The step of ``replica_id`` on ``nodes`` (its first nodes, or a promoted standby),
     running ``command`` (default: the plan's; a hot update replaces it)."""
     export = (f"--export=ALL,{ENV_REPLICA_ID}={replica_id},"
@@ -47,7 +48,7 @@ def replica_step_spec(plan: LaunchPlan, nodes: tuple[str, ...], replica_id: int,
     return StepSpec(nodes=nodes, command=command or plan.command,
                     tasks_per_node=plan.tasks_per_node,
                     name=f"replica-{replica_id}", job_id=plan.job_id,
-                    extra_args=(export, *extra_args))
+                    overlap=overlap, extra_args=(export, *extra_args))
 
 
 def plan_allocation(nodes: tuple[str, ...], job: JobConfig, command: tuple[str, ...],
@@ -61,11 +62,13 @@ def plan_allocation(nodes: tuple[str, ...], job: JobConfig, command: tuple[str, 
         raise UsageError(f"node list has duplicates: {', '.join(nodes)}")
     excluded = (batch_host,) if job.exclude_batch_host and batch_host in nodes else ()
     usable = [n for n in nodes if n not in excluded]
-    needed = job.replicas * job.nodes_per_replica + job.standby
+    # In reservation mode the standby nodes come from the reservation, not the allocation.
+    in_allocation = job.standby if job.standby_mode is StandbyMode.IN_ALLOCATION else 0
+    needed = job.replicas * job.nodes_per_replica + in_allocation
     if len(usable) < needed:
         raise UsageError(
             f"the allocation has {len(usable)} usable node(s) but {job.replicas} replica(s) x "
-            f"{job.nodes_per_replica} node(s) + {job.standby} standby need {needed}"
+            f"{job.nodes_per_replica} node(s) + {in_allocation} standby need {needed}"
             + (f" ({excluded[0]} is excluded as the batch host)" if excluded else ""),
             hint=f"request at least {needed + len(excluded)} nodes (sbatch -N) or lower "
                  "job.replicas / job.nodes_per_replica / job.standby")

@@ -96,7 +96,15 @@ class RestartRequested:
     replica_id: int
 
 
-Event = ReplicaCrashed | NodeFaulted | ReplicaProgressed | ReplicaFinished | RestartRequested
+@dataclass(frozen=True)
+class StandbyAdded:
+    """A new warm standby node joined the pool (reservation mode replenishes it)."""
+
+    node: str
+
+
+Event = (ReplicaCrashed | NodeFaulted | ReplicaProgressed | ReplicaFinished | RestartRequested
+         | StandbyAdded)
 
 
 # --------------------------------------------------------------------------- actions
@@ -163,6 +171,10 @@ def decide(state: RunState, event: Event, policy: Policy | None = None
         return state.with_replica(replace(replica, state=ReplicaState.FINISHED)), []
     if isinstance(event, NodeFaulted):
         return _node_faulted(state, event)
+    if isinstance(event, StandbyAdded):
+        if event.node in state.standby or event.node in state.evicted:
+            return state, []
+        return replace(state, standby=state.standby + (event.node,)), []
     if isinstance(event, RestartRequested):
         replica = state.replica(event.replica_id)
         if replica.state in (ReplicaState.FINISHED, ReplicaState.FAILED):

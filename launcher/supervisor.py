@@ -16,10 +16,10 @@ import logging
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ftcore.config import Config
+from ftcore.config import Config, PromotionPath, StandbyMode
 from ftcore.errors import ExitCode, SlurmCommandError
 from ftcore.events import Event, EventLog, NodeDrained
 from ftcore.slurm.client import SlurmBackend
@@ -38,6 +38,7 @@ from .events import (
     StandbyPromoted,
 )
 from .plan import LaunchPlan, replica_step_spec
+from .pool import ReservationPool
 from .standby import activate, unhealthy_file
 from .worker.events import StepCommitted, WorkerStarted
 
@@ -52,6 +53,7 @@ class Watched:
     name: str
     proc: subprocess.Popen[bytes]
     started: float
+    job_id: str | None = None   # the job the step runs in (a standby job, or the main one)
 
 
 @dataclass
@@ -87,10 +89,13 @@ class Supervisor:
         self.logs.mkdir(parents=True, exist_ok=True)
         self._finished_at: float | None = None
         self._last_node_check = 0.0
+        self.pool = ReservationPool(slurm, config.job, plan.job_id or "") \
+            if config.job.standby_mode is StandbyMode.RESERVATION else None
         self.versions = cv.VersionState.initial(
             plan.command, cv.digest_command(plan.command, Path.cwd()),
             [r.replica_id for r in plan.replicas], time.time())
         self._updates_read = 0
+        self._expanded: set[str] = set()    # nodes the job got by expansion
 
     # ------------------------------------------------------------------ launching
 
@@ -104,10 +109,11 @@ class Supervisor:
             self._cancel_standby(node)
         spec = replica_step_spec(self.plan, nodes, replica_id,
                                  self.config.slurm.srun_extra_args,
-                                 command=self._command_for(replica_id))
+                                 command=self._command_for(replica_id),
+                                 overlap=bool(set(nodes) & self._expanded))
         env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
         proc = self._popen(spec, env, f"replica-{replica_id}.log")
-        self.replicas[replica_id] = Watched(spec.name, proc, time.monotonic())
+        self.replicas[replica_id] = Watched(spec.name, proc, time.monotonic(), self.plan.job_id)
         self._restarted(replica_id)
         self.events.emit(ReplicaLaunched(replica_id=replica_id, nodes=list(nodes), how=how))
 
@@ -119,17 +125,21 @@ class Supervisor:
         command = (sys.executable, "-m", "slurm_plugins.gate", "--",
                    sys.executable, "-m", "launcher.standby", "--run-dir", str(self.run_dir),
                    "--node", node, "--", *self.plan.command)
+        job_id = self.pool.job_of(node) if self.pool else self.plan.job_id
         spec = StepSpec(nodes=(node,), command=command, tasks_per_node=self.plan.tasks_per_node,
-                        name=f"standby-{node}", job_id=self.plan.job_id,
+                        name=f"standby-{node}", job_id=job_id,
                         extra_args=self.config.slurm.srun_extra_args)
         self.standbys[node] = Watched(spec.name, self._popen(spec, self.worker_env,
                                                               f"standby-{node}.log"),
-                                      time.monotonic())
+                                      time.monotonic(), job_id)
 
     def start(self) -> None:
         for replica in self.plan.replicas:
             self.launch_replica(replica.replica_id, replica.nodes, "initial")
-        for node in self.plan.standby:
+        if self.pool is not None:
+            held = self.pool.acquire()
+            self.state = replace(self.state, standby=self.state.standby + held)
+        for node in self.state.standby:
             self.launch_standby(node)
 
     # ------------------------------------------------------------------ the loop
@@ -362,13 +372,36 @@ class Supervisor:
         self._cancel_standby(node)
 
     def _promote(self, replica_id: int, node: str) -> None:
-        watched = self.standbys.pop(node)
-        env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
-        activate(self.run_dir, node, env, command=self._command_for(replica_id))
-        self.replicas[replica_id] = Watched(watched.name, watched.proc, time.monotonic())
-        self._restarted(replica_id)
-        self.events.emit(StandbyPromoted(replica_id=replica_id, node=node))
-        self.events.emit(ReplicaLaunched(replica_id=replica_id, nodes=[node], how="promoted"))
+        if self.pool is not None and node in self.pool.holder \
+                and self.pool.path is PromotionPath.EXPANSION:
+            self._cancel_standby(node)
+            self.pool.move_to_main(node)
+            self._expanded.add(node)
+            self.events.emit(StandbyPromoted(replica_id=replica_id, node=node,
+                                             how="moved into the job (expansion)"))
+            self.launch_replica(replica_id, (node,), "promoted")
+        else:
+            watched = self.standbys.pop(node)
+            env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
+            activate(self.run_dir, node, env, command=self._command_for(replica_id))
+            self.replicas[replica_id] = Watched(watched.name, watched.proc, time.monotonic(),
+                                                watched.job_id)
+            self._restarted(replica_id)
+            how = "warm agent in the allocation"
+            if self.pool is not None:
+                self.pool.promoted_in_place(node)
+                how = f"warm agent in standby job {watched.job_id}"
+            self.events.emit(StandbyPromoted(replica_id=replica_id, node=node, how=how))
+            self.events.emit(ReplicaLaunched(replica_id=replica_id, nodes=[node],
+                                             how="promoted"))
+        self._replenish()
+
+    def _replenish(self) -> None:
+        """Reservation mode: hold a new standby node for the one just used."""
+        added = self.pool.grow() if self.pool is not None else None
+        if added is not None:
+            self.state, _ = rc.decide(self.state, rc.StandbyAdded(added), self.policy)
+            self.launch_standby(added)
 
     def _cancel_replica(self, replica_id: int) -> None:
         watched = self.replicas.pop(replica_id, None)
@@ -383,7 +416,7 @@ class Supervisor:
     def _cancel_step(self, watched: Watched) -> None:
         """scancel the step by name (its id is Slurm's), then make sure srun is gone."""
         try:
-            for step in self.slurm.steps(self.plan.job_id or ""):
+            for step in self.slurm.steps(watched.job_id or self.plan.job_id or ""):
                 if step.name == watched.name:
                     self.slurm.cancel_step(step.step)
         except SlurmCommandError as error:
@@ -397,6 +430,8 @@ class Supervisor:
             self._cancel_replica(replica_id)
         for node in list(self.standbys):
             self._cancel_standby(node)
+        if self.pool is not None:
+            self.pool.release()
 
 
 def _version_fact(event: rc.Event) -> cv.VersionEvent | None:

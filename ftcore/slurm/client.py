@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -35,6 +36,12 @@ class SlurmBackend(Protocol):
     def update_reservation(self, name: str, nodes: tuple[str, ...]) -> None: ...
     def delete_reservation(self, name: str) -> None: ...
     def resize_job(self, job_id: str, num_nodes: int) -> None: ...
+    def allocate(self, nodes: int, *, name: str, reservation: str | None = None,
+                 nodelist: tuple[str, ...] = (), expand: str | None = None,
+                 immediate_s: int | None = None) -> str: ...
+    def shrink_job(self, job_id: str, keep: tuple[str, ...]) -> None: ...
+    def cancel_job(self, job_id: str) -> None: ...
+    def config(self) -> dict[str, str]: ...
 
 
 class SlurmCli:
@@ -49,9 +56,14 @@ class SlurmCli:
         self.prefix = tuple(prefix)
 
     def run(self, argv: Sequence[str]) -> str:
+        return self._run(argv).stdout
+
+    def _run(self, argv: Sequence[str], cwd: str | None = None
+             ) -> subprocess.CompletedProcess[str]:
         try:
-            result = subprocess.run([*self.prefix, *argv], capture_output=True, text=True, check=False,
-                                    timeout=self.command_timeout, env=self.env)
+            result = subprocess.run([*self.prefix, *argv], capture_output=True, text=True,
+                                    check=False, timeout=self.command_timeout, env=self.env,
+                                    cwd=cwd)
         except subprocess.TimeoutExpired:
             raise SlurmCommandError(f"'{' '.join(argv)}' did not answer within "
                                     f"{self.command_timeout} s",
@@ -62,7 +74,7 @@ class SlurmCli:
         if result.returncode != 0:
             raise SlurmCommandError(f"'{' '.join(argv)}' failed (exit {result.returncode}): "
                                     f"{result.stderr.strip() or result.stdout.strip()}")
-        return result.stdout
+        return result
 
     def job(self, job_id: str) -> JobInfo | None:
         jobs = parse.parse_jobs(self.run(commands.show_job_argv(job_id)))
@@ -108,4 +120,28 @@ class SlurmCli:
         self.run(commands.delete_reservation_argv(name))
 
     def resize_job(self, job_id: str, num_nodes: int) -> None:
-        self.run(commands.resize_job_argv(job_id, num_nodes))
+        # scontrol writes slurm_job_<id>_resize.{sh,csh} into its working directory:
+        # keep them out of the user's.
+        with tempfile.TemporaryDirectory(prefix="ftl-resize-") as scratch:
+            self._run(commands.resize_job_argv(job_id, num_nodes), cwd=scratch)
+
+    def allocate(self, nodes: int, *, name: str, reservation: str | None = None,
+                 nodelist: tuple[str, ...] = (), expand: str | None = None,
+                 immediate_s: int | None = None) -> str:
+        """``salloc --no-shell``; returns the new job's id."""
+        result = self._run(commands.allocate_argv(nodes, name=name, reservation=reservation,
+                                                  nodelist=nodelist, expand=expand,
+                                                  immediate_s=immediate_s))
+        job_id = parse.parse_granted_job(result.stderr + result.stdout)
+        if job_id is None:
+            raise SlurmCommandError(f"salloc granted no allocation: {result.stderr.strip()}")
+        return job_id
+
+    def shrink_job(self, job_id: str, keep: tuple[str, ...]) -> None:
+        self.run(commands.shrink_job_argv(job_id, keep))
+
+    def cancel_job(self, job_id: str) -> None:
+        self.run(commands.cancel_job_argv(job_id))
+
+    def config(self) -> dict[str, str]:
+        return parse.parse_config(self.run(commands.show_config_argv()))

@@ -20,14 +20,17 @@ class StepSpec:
     name: str = ""
     job_id: str | None = None        # set to drive an allocation from outside it
     kill_on_bad_exit: bool = True    # one task failing ends the whole step
-    overlap: bool = False            # share CPUs with another step on the same node
+    #: share CPUs with other steps instead of ``--exact``: needed on a node a job got by
+    #: expansion, where Slurm 22.05 leaves ``--exact`` steps pending (job core bitmap)
+    overlap: bool = False
     output: str | None = None
     extra_args: tuple[str, ...] = ()
 
 
 def srun_argv(spec: StepSpec) -> list[str]:
-    """srun for one step: ``--exact`` so steps of one job run side by side."""
-    argv = ["srun", "--exact", f"--nodes={len(spec.nodes)}",
+    """srun for one step: ``--exact`` so steps of one job run side by side (or
+    ``--overlap``, see ``StepSpec.overlap``)."""
+    argv = ["srun", "--overlap" if spec.overlap else "--exact", f"--nodes={len(spec.nodes)}",
             f"--nodelist={compress(spec.nodes)}",
             f"--ntasks={len(spec.nodes) * spec.tasks_per_node}",
             f"--ntasks-per-node={spec.tasks_per_node}"]
@@ -37,8 +40,6 @@ def srun_argv(spec: StepSpec) -> list[str]:
         argv.append(f"--job-name={spec.name}")
     if spec.kill_on_bad_exit:
         argv.append("--kill-on-bad-exit=1")
-    if spec.overlap:
-        argv.append("--overlap")
     if spec.output:
         argv.append(f"--output={spec.output}")
     return [*argv, *spec.extra_args, "--", *spec.command]
@@ -101,10 +102,44 @@ def resize_job_argv(job_id: str, num_nodes: int) -> list[str]:
     return ["scontrol", "update", f"jobid={job_id}", f"numnodes={num_nodes}"]
 
 
-def expand_job_argv(main_job_id: str, node: str) -> list[str]:
-    """Allocate ``node`` as an expansion of ``main_job_id`` (needs permit_job_expansion)."""
-    return ["salloc", "--no-shell", "--nodes=1", f"--nodelist={node}",
-            f"--dependency=expand:{main_job_id}"]
+def allocate_argv(nodes: int, *, name: str, reservation: str | None = None,
+                  nodelist: tuple[str, ...] = (), expand: str | None = None,
+                  immediate_s: int | None = None) -> list[str]:
+    """``salloc --no-shell``: an allocation without a shell (driven by ``srun --jobid``),
+    kept when one of its nodes fails; ``expand``: as an expansion of that job (needs
+    ``SchedulerParameters=permit_job_expansion``)."""
+    # --exclusive: a standby node is held whole (another job must not share it).
+    argv = ["salloc", "--no-shell", "--no-kill", "--exclusive", f"--nodes={nodes}",
+            f"--job-name={name}"]
+    if reservation:
+        argv.append(f"--reservation={reservation}")
+    if nodelist:
+        argv.append(f"--nodelist={compress(nodelist)}")
+    if expand:
+        argv.append(f"--dependency=expand:{expand}")
+    if immediate_s is not None:
+        argv.append(f"--immediate={immediate_s}")
+    return argv
+
+
+def expand_job_argv(main_job_id: str, node: str, reservation: str | None = None) -> list[str]:
+    """Allocate ``node`` as an expansion of ``main_job_id`` (needs permit_job_expansion;
+    a node held in a reservation needs the reservation named)."""
+    return allocate_argv(1, name=f"ftl-grow-{main_job_id}", reservation=reservation,
+                         nodelist=(node,), expand=main_job_id, immediate_s=30)
+
+
+def shrink_job_argv(job_id: str, keep: tuple[str, ...]) -> list[str]:
+    """Release every node of a running job but ``keep``."""
+    return ["scontrol", "update", f"jobid={job_id}", f"nodelist={compress(keep)}"]
+
+
+def cancel_job_argv(job_id: str) -> list[str]:
+    return ["scancel", job_id]
+
+
+def show_config_argv() -> list[str]:
+    return ["scontrol", "show", "config"]
 
 
 def requeue_argv(job_id: str) -> list[str]:

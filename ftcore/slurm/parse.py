@@ -10,6 +10,7 @@ are read.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,3 +219,22 @@ def _node_from_words(name: str, words: list[str], reason: str, address: str) -> 
     return NodeInfo(name=name, state=NodeState.parse(base),
                     flags=frozenset(w for w in words if w != base), reason=reason or "",
                     address=address or "")
+
+
+_GRANTED = re.compile(r"Granted job allocation (\d+)")
+
+
+def parse_granted_job(text: str) -> str | None:
+    """The job id salloc reports (on stderr), or None."""
+    found = _GRANTED.search(text)
+    return found.group(1) if found else None
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``scontrol show config``: ``Name = value`` lines."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.strip() and " " not in name.strip():
+            found[name.strip()] = value.strip()
+    return found

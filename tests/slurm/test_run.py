@@ -255,3 +255,37 @@ def test_hot_update_rolls_through_replicas_and_a_bad_one_is_rolled_back(training
     assert summary["nodes_drained"] == [] and summary["promotions"] == 0
     restarts = [e for e in run.events(controller_events.ReplicaLaunched) if e.how == "relaunch"]
     assert len(restarts) >= 3 + 2   # the rolling update, then the bad version and its rollback
+
+
+@pytest.fixture
+def reservation(slurm_cluster) -> Iterator[str]:
+    """The admin's side of reservation mode: two nodes reserved for the team."""
+    name = "ftl-pool"
+    slurm_cluster.slurm.create_reservation(name, ("n5", "n6"), 60, ("root",))
+    yield name
+    slurm_cluster.slurm.delete_reservation(name)
+
+
+@pytest.mark.parametrize("path", ["expansion", "standby_job"])
+def test_standby_held_in_a_reservation_is_promoted_and_the_pool_refilled(
+        training, reservation, slurm_cluster, path):
+    run = training(standby=1, steps=900, FTL_JOB_STANDBY_MODE="reservation",
+                   FTL_JOB_RESERVATION=reservation, FTL_JOB_PROMOTE_BY=path,
+                   extra_nodes=-1)      # the standby node comes from the reservation
+    run.wait_training(60)
+    assert not set(slurm_cluster.slurm.job(run.job_id).nodes) & {"n5", "n6"}
+    (victim,) = run.victims(1)
+    crash(victim)
+    (promoted,) = run.wait_promoted(1)
+    assert promoted.node in ("n5", "n6")
+    assert ("expansion" if path == "expansion" else "standby job") in promoted.how
+    refill = ({"n5", "n6"} - {promoted.node}).pop()
+    wait_until(lambda: ready_file(run.run_dir, refill).exists(), 60,
+               "the pool to be refilled from the reservation")
+    run.finish()
+    if path == "expansion":     # the main job owns the node it trained on
+        assert promoted.node in slurm_cluster.slurm.job(run.job_id).nodes
+    queue = labcluster.ctl_run(["squeue", "-h", "-o", "%j %T"], timeout=30).stdout.split("\n")
+    held = [line for line in queue if line.startswith("ftl-standby")
+            and line.split()[-1] in ("RUNNING", "PENDING")]
+    assert not held, held    # the run cancelled its standby jobs

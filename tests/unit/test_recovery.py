@@ -115,3 +115,12 @@ def test_a_requested_restart_relaunches_in_place_without_counting_a_failure():
     assert new.replica(1).state is rc.ReplicaState.RECOVERING and new.replica(1).failures == 0
     done, _ = rc.decide(running, rc.ReplicaFinished(1))
     assert rc.decide(done, rc.RestartRequested(1))[1] == []
+
+
+def test_a_replenished_standby_joins_the_pool_once_and_an_evicted_node_never():
+    s, _ = rc.decide(state(standby=()), rc.StandbyAdded("s9"))
+    assert s.standby == ("s9",)
+    again, actions = rc.decide(s, rc.StandbyAdded("s9"))
+    assert again.standby == ("s9",) and actions == []
+    evicted, _ = rc.decide(s, rc.NodeFaulted(None, "s9", "gate"))
+    assert rc.decide(evicted, rc.StandbyAdded("s9"))[0].standby == ()

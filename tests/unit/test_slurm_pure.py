@@ -65,7 +65,18 @@ def test_control_argv():
     assert commands.scancel_step_argv(StepRef("9", "2")) == ["scancel", "9.2"]
     assert commands.update_node_argv("n3", "drain", "ft-launch: gpu3 xid 79") == [
         "scontrol", "update", "nodename=n3", "state=drain", "reason=ft-launch: gpu3 xid 79"]
-    assert commands.expand_job_argv("9", "n7")[-1] == "--dependency=expand:9"
+    grow = commands.expand_job_argv("9", "n7", reservation="pool")
+    assert grow[:2] == ["salloc", "--no-shell"] and "--dependency=expand:9" in grow
+    assert "--nodelist=n7" in grow and "--reservation=pool" in grow
+    assert commands.shrink_job_argv("5", ("n2", "n3")) == [
+        "scontrol", "update", "jobid=5", "nodelist=n[2-3]"]
+
+
+def test_allocation_ids_and_settings_are_parsed():
+    assert parse.parse_granted_job("salloc: Granted job allocation 17\n") == "17"
+    assert parse.parse_granted_job("salloc: error: nope") is None
+    text = "Configuration data as of x\nSchedulerParameters     = bf_interval=5,permit_job_expansion\n"
+    assert parse.parse_config(text)["SchedulerParameters"] == "bf_interval=5,permit_job_expansion"
 
 
 def test_parse_jobs_22_05():
