@@ -21,7 +21,7 @@ from ftcore.errors import ExitCode, FtError, TerminalAbort, UsageError
 from ftcore.events import EventLog, RunStarted
 from ftcore.ids import new_job_secret
 from ftcore.logs import configure_logging
-from ftcore.slurm.allocation import Allocation
+from ftcore.slurm.allocation import Allocation, allocation_of_job
 from ftcore.slurm.client import SlurmCli
 from ftcore.slurm.hostlist import compress, expand
 
@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "<run.log_dir>/<job id>/: config.toml, controller.jsonl, events/, logs/, "
                     "summary.json.")
     _add_job_flags(run)
+    run.add_argument("--jobid", metavar="JOB",
+                     help="drive this allocation from outside it, e.g. from a login node: "
+                          "salloc --no-shell --no-kill -N NODES, then ft-launch run --jobid "
+                          "JOB ... (no batch host: the run survives the loss of any compute "
+                          "node)")
     run.add_argument("train_command", nargs=argparse.REMAINDER,
                      help="-- then the training command each rank runs")
 
@@ -192,7 +197,14 @@ def render_shell(plan: LaunchPlan, extra_args: tuple[str, ...] = ()) -> str:
 
 def command_run(args: argparse.Namespace, config: Config) -> int:
     command = _train_command(args)
-    allocation = Allocation.from_env(os.environ)
+    slurm = SlurmCli(config.slurm.command_timeout)
+    if args.jobid:
+        info = slurm.job(args.jobid)
+        if info is None:
+            raise UsageError(f"no job {args.jobid}", hint="check squeue")
+        allocation = allocation_of_job(info)
+    else:
+        allocation = Allocation.from_env(os.environ)
     plan = plan_allocation(allocation.nodes, config.job, command, job_id=allocation.job_id,
                            batch_host=allocation.batch_host)
     run_dir = (Path(config.run.log_dir) / allocation.job_id).resolve()
@@ -203,7 +215,6 @@ def command_run(args: argparse.Namespace, config: Config) -> int:
                   ENV_CONFIG: str(config_path)}
     configure_logging(args.log_level, run_dir / "controller.log")
     log.info("run %s: %s", run_dir, render_plan(plan, config.slurm.srun_extra_args))
-    slurm = SlurmCli(config.slurm.command_timeout)
     with EventLog(run_dir / "controller.jsonl") as events:
         events.emit(RunStarted(job_id=allocation.job_id, replicas=config.job.replicas,
                                nodes=list(allocation.nodes)))

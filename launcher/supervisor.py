@@ -255,7 +255,13 @@ class Supervisor:
             self.events.emit(ReplicaExited(replica_id=replica_id, exit_code=code))
             log.info("replica %d exited with %d", replica_id, code)
             if code == 0:
-                found.append(rc.ReplicaFinished(replica_id))
+                # srun of a --no-kill job also ends with 0 when its node fails: finished
+                # only if Slurm still has the nodes healthy.
+                nodes = self.state.replica(replica_id).nodes
+                failed = self._unhealthy(nodes)
+                found += [self._fault(replica_id, node, f"step ended with its node failing "
+                                                        f"({reason})")
+                          for node, reason in failed.items()] or [rc.ReplicaFinished(replica_id)]
             elif code == ExitCode.NODE_UNHEALTHY:
                 node = self.state.replica(replica_id).nodes[0]
                 found.append(self._fault(replica_id, node, self._gate_reason(node)))
@@ -301,15 +307,19 @@ class Supervisor:
         watched: dict[str, int | None] = {n: r.replica_id for r in self.state.replicas
                                           if r.replica_id in self.replicas for n in r.nodes}
         watched.update({n: None for n in self.standbys if n in self.state.standby})
+        return [self._fault(watched[node], node, reason)
+                for node, reason in self._unhealthy(tuple(sorted(watched))).items()]
+
+    def _unhealthy(self, nodes: tuple[str, ...]) -> dict[str, str]:
+        """Nodes Slurm reports unusable (down, not responding, failing), with why."""
         try:
-            infos = self.slurm.nodes(tuple(sorted(watched)))
+            infos = self.slurm.nodes(nodes)
         except SlurmCommandError as error:
             log.warning("cannot read node states: %s", error)
-            return []
-        return [self._fault(watched[i.name], i.name,
-                            f"Slurm reports {i.state.value}+{'+'.join(sorted(i.flags))}")
-                for i in infos if i.name in watched
-                and node_disposition(i.state, i.flags) is Disposition.NODE_UNHEALTHY]
+            return {}
+        return {i.name: f"Slurm reports {i.state.value}+{'+'.join(sorted(i.flags))}"
+                for i in infos if i.name in nodes
+                and node_disposition(i.state, i.flags) is Disposition.NODE_UNHEALTHY}
 
     def _fault(self, replica_id: int | None, node: str, reason: str) -> rc.NodeFaulted:
         self.events.emit(NodeFaultDetected(node=node, replica_id=replica_id, reason=reason))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from .hostlist import expand
+from .parse import JobInfo
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,16 @@ class Allocation:
             partition=env.get("SLURM_JOB_PARTITION"),
             submit_dir=env.get("SLURM_SUBMIT_DIR"),
         )
+
+
+def allocation_of_job(info: JobInfo) -> Allocation:
+    """An allocation driven from outside it (``salloc --no-shell``, then ``srun
+    --jobid``): no batch script, so no batch host that can take the job down."""
+    if info.state.value != "RUNNING" or not info.nodes:
+        raise UsageError(f"job {info.job_id} is {info.state.value}, not a running allocation",
+                         hint="allocate first: salloc --no-shell --no-kill -N NODES")
+    return Allocation(job_id=info.job_id, nodes=info.nodes, cpus_per_node=(),
+                      batch_host=None, job_name=info.name, partition=None, submit_dir=None)
 
 
 def expand_counts(text: str) -> list[int]:

@@ -13,7 +13,11 @@ differs is the fault:
 * every replica node dies (the controller runs alone on the batch host): the
   replicas restart in the allocation from the newest persistent checkpoint;
 * a hot update rolls through the replicas one at a time, and a broken one is
-  rolled back without evicting any node.
+  rolled back without evicting any node;
+* a standby held in a site reservation is promoted (by job expansion, or inside
+  its standby job) and the pool refilled from the reservation;
+* the controller runs on the login node (salloc --no-shell, srun --jobid), so
+  even the allocation's first node can be lost.
 """
 
 from __future__ import annotations
@@ -92,6 +96,9 @@ class Training:
         assert self.cluster.wait_job_done(self.job_id, timeout=300) == "COMPLETED", \
             self.out.read_text()[-3000:]
         assert self.cluster.slurm.job(self.job_id).restarts == 0
+        return self.check_results()
+
+    def check_results(self) -> dict:
         finals = [json.loads(p.read_text()) for p in (self.run_dir / "final").glob("*.json")]
         assert len(finals) == self.replicas, finals
         assert len({f["state_sha256"] for f in finals}) == 1, "replicas diverged"
@@ -289,3 +296,40 @@ def test_standby_held_in_a_reservation_is_promoted_and_the_pool_refilled(
     held = [line for line in queue if line.startswith("ftl-standby")
             and line.split()[-1] in ("RUNNING", "PENDING")]
     assert not held, held    # the run cancelled its standby jobs
+
+
+def test_controller_on_a_login_node_survives_the_loss_of_any_compute_node(slurm_cluster,
+                                                                         tmp_path):
+    """salloc --no-shell --no-kill, then ft-launch run --jobid from the login node: there
+    is no batch host, so even the allocation's first node can be lost."""
+    granted = labcluster.ctl_run(["salloc", "--no-shell", "--no-kill", "-N4", "-J", "ftl-login"],
+                                 timeout=60)
+    job_id = granted.stderr.split("allocation")[-1].strip()
+    runs = tmp_path / "runs"
+    env = {**labcluster.client_env(), **FAST_DETECTION, "FTL_RUN_LOG_DIR": str(runs)}
+    steps = 700
+    with (tmp_path / "controller.out").open("wb") as out:
+        controller = subprocess.Popen(
+            [*labcluster.ctl_prefix(), sys.executable, "-m", "launcher.cli", "run", "--jobid",
+             job_id, "--replicas", "3", "--standby", "1", "--", sys.executable,
+             "etc/examples/gpt/train.py", "--steps", str(steps), "--size", "small",
+             "--threads", "1"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    run = Training(slurm_cluster, job_id, runs / job_id, tmp_path / "controller.out", 3, steps)
+    first = None
+    try:
+        run.wait_training(60)
+        first = slurm_cluster.slurm.job(job_id).nodes[0]   # a batch job's batch host
+        assert run.replica_nodes()[0] == first
+        crash(first)
+        (promoted,) = run.wait_promoted(1)
+        assert promoted.replica_id == 0
+        assert controller.wait(timeout=240) == 0, run.out.read_text()[-3000:]
+        assert slurm_cluster.job_state(job_id) == "RUNNING"   # the allocation outlived it
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+        slurm_cluster.cancel(job_id)
+        if first is not None:
+            slurm_cluster.ensure_node_up(first)
+    summary = run.check_results()
+    assert summary["promotions"] == 1 and summary["nodes_drained"] == [first]
