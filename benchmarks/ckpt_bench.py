@@ -1,12 +1,13 @@
 """Checkpoint benchmark (not a test): snapshot overhead, fetch, persistent write, restore.
 
     python benchmarks/ckpt_bench.py [--json FILE] [--batch 256] [--pairs 10] [--steps 3]
-        [--variants lazy,lazy-nohelp,eager-crc,eager-sum64] [--overhead-only]
+        [--variants lazy,lazy-nohelp,eager-crc,eager-sum64] [--backup-pairs 4] [--overhead-only]
 
 A CPU training loop (~100M-parameter MLP + Adam) runs with and without a
 snapshot every step in interleaved runs, each snapshot run between two plain
 ones; samples taken while other processes used the shared CPUs are set aside
-(see ``snapshot_overhead``). Then the same state is fetched over HTTP (against
+(see ``snapshot_overhead``); the same again with each snapshot pushed to a
+backup peer (``backup_cost``). Then the same state is fetched over HTTP (against
 a raw-socket transfer of the same bytes), written to HDF5 (against
 torch.save), and restored from each tier. Figures on a shared 2-core machine
 are noisy: compare ratios taken in one run, not absolute times.
@@ -34,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt.backup import BackupStore
+from ckpt.backup import BackupSender, BackupStore
 from ckpt.fetch import Peer, fetch_state, push_backup
 from ckpt.manifest import add_checksums
 from ckpt.persist import Completeness, PersistentStore, fsync_file
@@ -87,6 +88,8 @@ class Trainer:
             times.append(time.perf_counter() - started)
         if snapshotter is not None:
             snapshotter.wait_complete()  # untimed: the next run starts with nothing running
+        if isinstance(snapshotter, BackedUpSnapshotter):
+            snapshotter.drain()
         return times
 
     def source(self) -> TorchStateSource:
@@ -294,6 +297,74 @@ def copy_floor(nbytes: int, reps: int = 5) -> dict[str, float]:
             for threads in (1, 2)}
 
 
+# ---------------------------------------------------------------------- peer backup
+
+
+class BackedUpSnapshotter(DualBufferSnapshotter):
+    """Snapshots every step, each pushed to a backup peer as it completes (``backup_every`` 1).
+
+    The peer is a state server in this process: on a cluster every rank both
+    sends its backup and receives another rank's, so one process doing both is
+    what each node pays per step.
+    """
+
+    def __init__(self, peer: Peer, nice: int) -> None:
+        super().__init__(worker_nice=nice)
+        self.sender = BackupSender(self.buffers, peer, SECRET, rank=0, every=1,
+                                   poll_interval=0.05).start()
+
+    def drain(self) -> None:
+        """Wait until the newest snapshot was pushed (untimed, between runs)."""
+        latest = self.latest_step()
+        if latest is not None and not self.sender.wait_sent(latest, DEFAULTS.fetch_timeout):
+            print(f"  backup of step {latest} not sent within {DEFAULTS.fetch_timeout} s",
+                  flush=True)
+
+
+def backup_cost(trainer: Trainer, pairs: int, steps: int, max_foreign: float,
+                max_rounds: int, nice: int) -> dict[str, Any]:
+    """Step time with a snapshot pushed to the backup peer every step, against none.
+
+    Also: one push of a fresh snapshot on its own (CRC-32s on first use, then
+    the transfer), and how many of the snapshots the sender kept up with.
+    """
+    with StateServer(secret=SECRET, host="127.0.0.1", snapshots=DualBufferSnapshotter().buffers,
+                     backups=BackupStore()) as server:
+        snapshotter = BackedUpSnapshotter(Peer(*server.address), nice)
+        try:
+            trainer.run(2, snapshotter)  # buffers on both sides allocated and touched
+            sent, skipped, taken = (snapshotter.sender.sent, snapshotter.stats.skipped,
+                                    snapshotter.stats.taken)
+            overhead = snapshot_overhead(trainer, {"backup": snapshotter}, pairs, steps,
+                                         max_foreign, max_rounds)
+            attempts = snapshotter.stats.taken + snapshotter.stats.skipped - taken - skipped
+            push = push_seconds(trainer, snapshotter, Peer(*server.address))
+        finally:
+            snapshotter.sender.close()
+    figures = overhead["variants"]["backup"]
+    return {"overhead": overhead, "push": push,
+            "pct": float(figures["clean" if figures["clean"]["n"] else "all"]["median"]),
+            "sent_per_snapshot": round((snapshotter.sender.sent - sent) / max(attempts, 1), 3),
+            "skipped_per_snapshot": round((snapshotter.stats.skipped - skipped)
+                                          / max(attempts, 1), 3),
+            "failed": snapshotter.sender.failed}
+
+
+def push_seconds(trainer: Trainer, snapshotter: BackedUpSnapshotter, peer: Peer
+                 ) -> dict[str, float]:
+    """One push of a fresh snapshot, split into its first-use CRC-32s and the transfer."""
+    snapshotter.sender.close()  # pushing by hand now
+    snapshotter.start(trainer.step_index, trainer.source())
+    snapshotter.wait_complete()
+    started = time.perf_counter()
+    with snapshotter.lease() as snap:
+        checksummed = time.perf_counter()
+        push_backup(peer, SECRET, snap, source_rank=0)
+    done = time.perf_counter()
+    return {"crc32_s": checksummed - started, "transfer_s": done - checksummed,
+            "total_s": done - started}
+
+
 # ---------------------------------------------------------------------- transfers
 
 
@@ -450,6 +521,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each transfer")
     parser.add_argument("--worker-nice", type=int, default=DEFAULTS.snapshot_nice,
                         help="niceness of the snapshot thread (0: same as training)")
+    parser.add_argument("--backup-pairs", type=int, default=4,
+                        help="clean paired samples of snapshot + peer backup every step "
+                             "(0: do not measure the backup)")
     parser.add_argument("--overhead-only", action="store_true",
                         help="measure the snapshot overhead and stop")
     parser.add_argument("--no-checksums", action="store_true",
@@ -480,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.overhead_only:
         print_overhead(overhead, rates)
         return 0
+    backup = (timed("peer backup every step (paired runs)", lambda: backup_cost(
+        trainer, args.backup_pairs, args.steps, args.max_foreign,
+        args.max_rounds or 3 * args.backup_pairs, args.worker_nice))
+        if args.backup_pairs else None)
     fetch = timed("fetch vs raw socket", lambda: fetch_rates(snapshotter, args.reps))
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         write = timed("persistent write", lambda: write_rates(trainer, snapshotter, Path(tmp),
@@ -497,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
         "hdf5_write_GBps": round(write["hdf5"], 3),
         "torch_save_GBps": round(write["torch_save"], 3),
         "hdf5_vs_torch_save": round(write["ratio"], 3),
+        **backup_summary(backup),
+        # Seconds to restore the whole state from each tier alone, nearest first.
+        **{f"restore_{tier.replace(' ', '_')}_s": round(seconds, 3)
+           for tier, seconds in restore.items()},
     }
     details = {
         "state_bytes": nbytes, "params": trainer.params, "batch": args.batch,
@@ -507,12 +589,27 @@ def main(argv: list[str] | None = None) -> int:
         "fetch_1_stream_ratio_vs_raw": round(fetch["ratio_1_stream"], 3),
         "safetensors_GBps": None,  # safetensors is not installed here
         "restore_seconds": {k: round(v, 3) for k, v in restore.items()},
+        "backup": backup,
     }
     print_overhead(overhead, rates)
     print_table(summary, details)
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "details": details}, indent=2))
     return 0
+
+
+def backup_summary(backup: dict[str, Any] | None) -> dict[str, Any]:
+    if backup is None:
+        return {}
+    return {
+        # Snapshot + push to the backup peer every step, against no snapshot at all.
+        "backup_overhead_pct": backup["pct"],
+        # Share of the snapshots taken during those runs that reached the peer.
+        "backup_sent_per_snapshot": backup["sent_per_snapshot"],
+        "backup_skipped_snapshots_per_step": backup["skipped_per_snapshot"],
+        "backup_push_s": round(backup["push"]["total_s"], 3),
+        "backup_push_crc32_s": round(backup["push"]["crc32_s"], 3),
+    }
 
 
 def snapshot_details(rates: dict[str, float], overhead: dict[str, Any]) -> dict[str, Any]:
@@ -576,7 +673,15 @@ def print_table(summary: dict[str, Any], details: dict[str, Any]) -> None:
         ("torch.save + fsync", f"{summary['torch_save_GBps']} GB/s"),
         ("HDF5 / torch.save, median of paired reps", f"{summary['hdf5_vs_torch_save']}x"),
         ("safetensors", "not installed"),
-    ] + [(f"restore from {tier}", f"{seconds:.2f} s")
+    ] + ([
+        ("snapshot + peer backup every step (median, clean pairs)",
+         f"{summary['backup_overhead_pct']:+.2f}%"),
+        ("snapshots that reached the backup peer / skipped per step",
+         f"{summary['backup_sent_per_snapshot']} / "
+         f"{summary['backup_skipped_snapshots_per_step']}"),
+        ("one push of a fresh snapshot (CRC-32 on first use)",
+         f"{summary['backup_push_s']:.2f} s ({summary['backup_push_crc32_s']:.2f} s CRC)"),
+    ] if "backup_overhead_pct" in summary else []) + [(f"restore from {tier}", f"{seconds:.2f} s")
          for tier, seconds in details["restore_seconds"].items()]
     width = max(len(name) for name, _ in rows)
     print()

@@ -34,6 +34,17 @@ snapshot thread +24%, a 64-bit row/column sum there +10%, the copy alone +7.7%,
 which is the copy's own time (0.063 s: 6.8% of a step). See
 ``benchmarks/ckpt_bench.py``.
 
+Where a step's extra time goes (profiled, one quiet pair, 0.96 s steps): the
+plain step already keeps 1.87 of the 2 cores busy; with a snapshot it is 1.96
+and the step 0.053 s longer, of which 0.046 s is ``wait_ready`` (the nice-19
+thread had not reached 92 of the 194 tensors) and the rest a slower forward
+and backward. Not the cause: page faults (buffers are touched at allocation
+and numpy maps them with huge pages), the GIL (``np.copyto`` releases it).
+The floor is the copy's memory traffic, 0.036 s with both cores (3.8% of a
+step), with no idle core to hide it in; SCHED_IDLE instead of niceness, nice
+0, no helpers, and copying with torch's OpenMP team at the wait all measured
+within the noise of this one (3-7%), so none is used.
+
 Priorities on a CPU-bound trainer: the snapshot thread runs at niceness
 ``ckpt.snapshot_nice`` (19). The copy competes with the compute threads for the
 same cores, and an OpenMP thread that loses its core stalls its whole team at

@@ -1,0 +1,58 @@
+"""The checkpoint benchmark's peer-backup measurement, on a tiny model (seconds)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ckpt.backup import BackupStore
+from ckpt.fetch import Peer
+from ckpt.serve import StateServer
+from ckpt.snapshot import DualBufferSnapshotter
+from tests.scale.helpers import load_benchmark
+
+bench = load_benchmark("ckpt_bench")
+
+
+def tiny_trainer() -> object:
+    return bench.Trainer(width=16, layers=2, batch=4)
+
+
+class SlowPeerStore(BackupStore):
+    """A backup peer that takes 0.3 s longer per push (injected slowness, not a wait)."""
+
+    def receive(self, *args, **kwargs) -> None:
+        threading.Event().wait(0.3)
+        super().receive(*args, **kwargs)
+
+
+def test_a_backed_up_run_ends_with_its_newest_snapshot_on_the_peer() -> None:
+    trainer = tiny_trainer()
+    store = SlowPeerStore()
+    with StateServer(secret=bench.SECRET, host="127.0.0.1",
+                     snapshots=DualBufferSnapshotter().buffers, backups=store) as server:
+        snapshotter = bench.BackedUpSnapshotter(Peer(*server.address), nice=0)
+        try:
+            trainer.run(3, snapshotter)  # returns after the drain: nothing left in flight
+            assert store.buffers(0).latest_step() == snapshotter.latest_step()
+            # (A snapshot whose buffer the sender still read was skipped: the newest
+            # complete one may be older than the last step, never missing on the peer.)
+            with snapshotter.lease() as mine, store.buffers(0).lease() as held:
+                assert mine.step == held.step
+                assert np.array_equal(mine.buffer, held.buffer)
+        finally:
+            snapshotter.sender.close()
+
+
+def test_backup_cost_reports_the_summary_keys() -> None:
+    trainer = tiny_trainer()
+    trainer.run(2, None)
+    backup = bench.backup_cost(trainer, pairs=1, steps=1, max_foreign=1.0, max_rounds=1, nice=0)
+    summary = bench.backup_summary(backup)
+    assert set(summary) == {"backup_overhead_pct", "backup_sent_per_snapshot",
+                            "backup_skipped_snapshots_per_step", "backup_push_s",
+                            "backup_push_crc32_s"}
+    assert 0 < summary["backup_sent_per_snapshot"] <= 1
+    assert backup["failed"] == 0
+    assert bench.backup_summary(None) == {}
