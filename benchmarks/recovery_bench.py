@@ -7,9 +7,9 @@ node (its slurmd and every process on it) at the same step.
 * **ft-launch**: ``etc/examples/train.sbatch`` (3 replicas + 1 warm standby,
   ``--no-kill``): the others keep training, the standby is promoted.
 * **requeue baseline**: the replicas as one ``srun`` step of a ``--requeue`` job
-  (torchrun-style): Slurm sees the node fail, requeues the whole job, and the
-  restarted job resumes from the newest persistent checkpoint (every
-  ``--persist-every`` steps).
+  (torchrun-style; every replica is needed for a step, so the survivors wait):
+  Slurm sees the node fail, requeues the whole job, and the restarted job
+  resumes from the newest persistent checkpoint (every ``--persist-every`` steps).
 
     python benchmarks/recovery_bench.py [--steps 900] [--kill-step 200] [--json F]
 
@@ -85,10 +85,22 @@ def measure(run_dir: Path, killed_at: float, replicas: int) -> dict[str, float]:
         if e.step > last_before and len(by_step[e.step]) == replicas and e.contributors == replicas:
             full = e.time - killed_at
             break
-    resumed = min(e.step for e in after)
     return {"no_progress_s": round(no_progress, 3),
             "full_strength_s": round(full if full is not None else float("nan"), 3),
-            "lost_steps": max(0, last_before + 1 - resumed)}
+            "lost_steps": lost_steps(events)}
+
+
+def lost_steps(events: list[StepCommitted]) -> int:
+    """Committed steps thrown away: a replica committing a step again after having
+    committed up to a later one (a restart from an older checkpoint)."""
+    lost = 0
+    newest: dict[int, int] = {}
+    for e in events:
+        before = newest.get(e.replica_id, -1)
+        if e.step <= before:
+            lost = max(lost, before + 1 - e.step)
+        newest[e.replica_id] = max(before, e.step)
+    return lost
 
 
 def run_ftlaunch(out: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -114,6 +126,9 @@ def run_requeue(out: Path, args: argparse.Namespace) -> dict[str, float]:
         "export FTLAUNCH_RANK=0 FTLAUNCH_RANKS=1  # each task is a whole replica",
         f"export FTLAUNCH_JOB_SECRET={'ab' * 32} FTL_CKPT_PERSIST_EVERY={args.persist_every}",
         *[f"export {item}" for item in FAST],
+        # Plain data parallelism: every replica is needed for a step, and survivors wait
+        # (like a hung collective) until Slurm kills and requeues the job.
+        "export FTL_QUORUM_MIN_REPLICAS=3 FTL_RUNTIME_MAX_CONSECUTIVE_FAILURES=100000",
         # one step for all replicas, like torchrun: one failure ends (and requeues) the job
         "exec srun --kill-on-bad-exit=1 -N3 -n3 --ntasks-per-node=1 bash -c "
         f"'FTLAUNCH_REPLICA_ID=$SLURM_PROCID exec {train}'", ""]))
