@@ -12,9 +12,10 @@ Marks above a band: relaunched (retry, relaunch, full restart, update restart),
 promoted (a warm standby took over), and code version changed (hot update or
 rollback, from ``launcher.versions``).
 
-Bottom panel: committed step against time per replica. The workers'
-``StepCommitted`` events carry no loss, so the step (progress) is plotted instead
-of the loss. Time is in seconds from ``RunStarted`` (or the first event).
+Bottom panel: the training loss against time per replica, when the training
+script hands it to ``commit(loss=...)`` (it lands in ``StepCommitted``), else the
+committed step (progress). Time is in seconds from ``RunStarted`` (or the first
+event).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class Timeline:
     replicas: tuple[int, ...]
     segments: tuple[Segment, ...]
     marks: tuple[Mark, ...]
-    steps: dict[int, list[tuple[float, int]]]   # replica -> (time, committed step)
+    steps: dict[int, list[tuple[float, float]]]  # replica -> (time, metric) per commit
+    metric: str = "committed step"              # or "loss", when the commits carry it
 
 
 # --------------------------------------------------------------------------- building (pure)
@@ -117,10 +119,15 @@ def build_timeline(control: Sequence[Event], committed: dict[int, list[StepCommi
     for replica_id, (state, since) in states.items():
         if end - start > since:
             segments.append(Segment(replica_id, since, end - start, state))
-    steps = {r: [(e.time - start, e.step) for e in es if start <= e.time <= end]
+    # Loss when the training script reports it (steps a replica only caught up on have
+    # none), else the committed step.
+    with_loss = any(e.loss is not None for es in committed.values() for e in es)
+    steps = {r: [(e.time - start, float(e.loss) if with_loss else float(e.step)) for e in es
+                 if start <= e.time <= end and (e.loss is not None or not with_loss)]
              for r, es in committed.items()}
     replicas = tuple(sorted(set(states) | set(steps)))
-    return Timeline(end - start, replicas, tuple(segments), tuple(marks), steps)
+    return Timeline(end - start, replicas, tuple(segments), tuple(marks), steps,
+                    "loss" if with_loss else "committed step")
 
 
 def _reading(event: Event, versions_seen: dict[int, int]
@@ -201,9 +208,9 @@ def render_timeline(run_dir: Path, out: Path, *, width: int = 900) -> Path:
         box = where.steps
         legend(canvas, [label for label, _, _ in series], "lower right",
                (box.left, box.right, box.top, box.bottom))
-    title = "REPLICA STATES AND COMMITTED STEPS"
+    title = f"REPLICA STATES AND {timeline.metric.upper()}"
     canvas.text((LEFT + where.steps.right - text_width(title, 3)) // 2, 12, title, scale=3)
-    canvas.text(8, where.steps.top - 24, "COMMITTED STEP (NO LOSS IN THE EVENTS)")
+    canvas.text(8, where.steps.top - 24, timeline.metric.upper())
     xlabel = "SECONDS SINCE RUN START"
     canvas.text((LEFT + where.steps.right - text_width(xlabel)) // 2,
                 where.steps.bottom + 32, xlabel)

@@ -24,6 +24,7 @@ class StepCommitted(Event):
     contributors: int
     caught_up: bool
     lr_factor: float
+    loss: float | None = None    # when the training script hands it to commit()
 
 
 @dataclass(frozen=True)

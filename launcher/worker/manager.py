@@ -236,9 +236,10 @@ class Manager:
             self._error = error.with_ids(replica_id=self.identity.replica_id,
                                          rank=self.identity.rank)
 
-    def commit(self) -> bool:
+    def commit(self, loss: float | None = None) -> bool:
         """Two-phase commit inside the replica: every rank's all-reduce (and fetch) must
-        have succeeded; then the optimizer step, the ledger, the audit, the snapshot."""
+        have succeeded; then the optimizer step, the ledger, the audit, the snapshot.
+        ``loss`` (this rank's, optional) goes into the commit event, for the timeline."""
         plan = self.plan
         self.faults.check(FaultPoint.BEFORE_COMMIT, plan.step)
         fetched = self._await_catch_up()
@@ -264,7 +265,7 @@ class Manager:
         self.events.emit(StepCommitted(
             replica_id=self.identity.replica_id, rank=self.identity.rank, step=plan.step,
             quorum_id=plan.quorum_id, contributors=self._contribution.contributors,
-            caught_up=fetched is not None, lr_factor=factor))
+            caught_up=fetched is not None, lr_factor=factor, loss=loss))
         self.faults.check(FaultPoint.AFTER_COMMIT, plan.step)
         return True
 

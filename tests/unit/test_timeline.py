@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,13 @@ def test_a_directory_without_events_is_a_usage_error(tmp_path: Path) -> None:
         tl.render_timeline(tmp_path, tmp_path / "t.png")
     assert not (tmp_path / "t.png").exists()
 
+
+
+def test_commits_that_carry_the_loss_are_plotted_as_loss(tmp_path: Path) -> None:
+    with EventLog(tmp_path / "events" / "replica-0-rank-0.jsonl") as log:
+        for step, loss in enumerate([3.0, 2.5, None, 2.0]):   # step 2: caught up, no loss
+            log.emit(replace(commit(0, 10.0 + step, step), loss=loss))
+    timeline = tl.read_timeline(tmp_path)
+    assert timeline.metric == "loss"
+    assert [value for _, value in timeline.steps[0]] == [3.0, 2.5, 2.0]
+    assert read_png(tl.render_timeline(tmp_path, tmp_path / "t.png")).shape[1] == 900

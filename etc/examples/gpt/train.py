@@ -82,9 +82,10 @@ def main() -> int:
                 loss = model.loss(tokens, targets)
                 loss.backward()
             manager.allreduce_gradients()
-            if manager.commit():
-                if loss is not None:
-                    loss_value = loss.item()
+            step_loss = loss.item() if loss is not None else None
+            if manager.commit(loss=step_loss):
+                if step_loss is not None:
+                    loss_value = step_loss
                 elapsed = time.monotonic() - started
                 log.info("replica %d step %d loss %.4f quorum %d %s %.2f steps/s",
                          me.replica_id, plan.step, loss_value, plan.quorum_id,
