@@ -144,7 +144,7 @@ class QuorumAgent:
         replaces an unanswered older one (whose future is cancelled)."""
         self._check_running()
         future: Future[Quorum] = Future()
-        health = Health(health)
+        health = health if isinstance(health, Health) else Health(health)
         advertised = address or self.address
         self._loop.call_soon(lambda: self._begin(future, next_step, advertised, health))
         return future

@@ -20,6 +20,7 @@ from .model import (
     QuorumAnnounced,
     QuorumDeltaAnnounced,
     QuorumParams,
+    Role,
     TimeoutNow,
     VoteAnswered,
     VoteRequested,
@@ -67,10 +68,7 @@ def decide(state: QuorumState, event: Input, now: float) -> Outcome:
     if isinstance(event, MessageReceived):
         state, actions = _on_message(state, event.sender, event.message, now)
     elif isinstance(event, MessagesReceived):
-        actions = []
-        for received in event.messages:
-            state, more = _on_message(state, received.sender, received.message, now)
-            actions += more
+        state, actions = _on_messages(state, event.messages, now)
     elif isinstance(event, QuorumRequested):
         state, actions = _on_request(state, event, now)
     elif isinstance(event, CommitFailureReported):
@@ -95,6 +93,36 @@ def _on_request(s: QuorumState, request: QuorumRequested, now: float) -> Outcome
     if s.election.majority_lost:
         return s, [FailQuorumRequest(JoinFailure.MAJORITY_LOST, _reachable(s, now))]
     return formation.request_quorum(s, request, now)
+
+
+def _on_messages(s: QuorumState, messages: Iterable[MessageReceived], now: float) -> Outcome:
+    """Messages in order, as many ``_on_message`` would take them; a leader
+    takes each run of joins of its term as one batch (``formation.on_joins``)."""
+    actions: list[Action] = []
+    run: list[MessageReceived] = []
+    for received in messages:
+        message = received.message
+        if type(message) is JoinRequested and message.term <= s.election.term \
+                and s.election.role is Role.LEADER:
+            run.append(received)
+            continue
+        if run:
+            s, more = _on_joins(s, run, now)
+            actions += more
+            run = []
+        s, more = _on_message(s, received.sender, message, now)
+        actions += more
+    if run:
+        s, more = _on_joins(s, run, now)
+        actions += more
+    return s, actions
+
+
+def _on_joins(s: QuorumState, run: list[MessageReceived], now: float) -> Outcome:
+    """``_on_message`` for each of a run of joins that cannot change the term."""
+    joins = [(r.sender, r.message) for r in run if r.sender != s.me and r.sender in s.voters]
+    return formation.on_joins(s, joins, now,  # type: ignore[arg-type]
+                              heard_before=now - _HEARD_RESOLUTION)
 
 
 def _on_message(s: QuorumState, sender: int, message: object, now: float) -> Outcome:

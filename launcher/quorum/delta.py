@@ -33,6 +33,9 @@ from .model import (
 _EXPANDED: OrderedDict[tuple[object, ...], Quorum] = OrderedDict()
 _EXPANDED_SIZE = 8
 _EXPANDED_LOCK = threading.Lock()  # agent loops of one process may share it
+#: The last expansion, found by identity: the hundreds of agents of one
+#: process expand the same decoded message on the same base one after another.
+_LAST: tuple[object, object, Quorum | None] = (None, None, None)
 
 
 def compact(announce: QuorumAnnounced, base: Quorum) -> QuorumDeltaAnnounced | None:
@@ -70,11 +73,15 @@ def answers(delta: QuorumDeltaAnnounced, quorum: Quorum, me: int, join_seq: int)
 
 def expand(delta: QuorumDeltaAnnounced, base: Quorum) -> Quorum:
     """The quorum ``delta`` describes, given a ``base`` with its digest."""
+    last_delta, last_base, last_quorum = _LAST
+    if last_delta is delta and last_base is base and last_quorum is not None:
+        return last_quorum  # the agents of one process share the decoded message
     key = (delta.digest, delta.quorum_id, delta.max_step, delta.behind, delta.term,
            delta.leader_id, delta.removed, delta.added)
     with _EXPANDED_LOCK:
         found = _EXPANDED.get(key)
     if found is not None:
+        _remember(delta, base, found)
         return found
     roster = base.roster
     if delta.removed or delta.added:
@@ -92,7 +99,13 @@ def expand(delta: QuorumDeltaAnnounced, base: Quorum) -> Quorum:
         _EXPANDED[key] = quorum
         if len(_EXPANDED) > _EXPANDED_SIZE:
             _EXPANDED.popitem(last=False)
+    _remember(delta, base, quorum)
     return quorum
+
+
+def _remember(delta: QuorumDeltaAnnounced, base: Quorum, quorum: Quorum) -> None:
+    global _LAST
+    _LAST = (delta, base, quorum)  # one assignment: safe to read from any thread
 
 
 def _share_views(quorum: Quorum, base: Quorum) -> None:

@@ -19,6 +19,7 @@ import math
 from .model import Heartbeat, HeartbeatAcked, Role, TimeoutNow, VoteAnswered, VoteRequested, evolve
 from .state import (
     Action,
+    Election,
     Leadership,
     NotifyLeaderElected,
     NotifyLeadershipLost,
@@ -32,6 +33,7 @@ from .state import (
 Outcome = tuple[QuorumState, list[Action]]
 
 _MASK = (1 << 64) - 1
+_NO_VOTES: frozenset[int] = frozenset()
 
 
 def unit_draw(seed: int, me: int, draw: int) -> float:
@@ -46,10 +48,14 @@ def unit_draw(seed: int, me: int, draw: int) -> float:
 
 def reset_timer(s: QuorumState, now: float) -> QuorumState:
     """Arm the election timer at ``now + timeout + spread * U[0, 1)``."""
-    e = s.election
+    return evolve(s, election=evolve(s.election, **_timer(s, s.election, now)))
+
+
+def _timer(s: QuorumState, e: Election, now: float) -> dict[str, float | int]:
+    """The fields of ``e`` that ``reset_timer`` sets, for callers that change
+    others in the same copy (every follower does on every announcement)."""
     jitter = s.params.election_spread * unit_draw(s.seed, s.me, e.draws)
-    deadline = now + s.params.election_timeout + jitter
-    return evolve(s, election=evolve(e, deadline=deadline, draws=e.draws + 1))
+    return {"deadline": now + s.params.election_timeout + jitter, "draws": e.draws + 1}
 
 
 def majority_window(s: QuorumState) -> float:
@@ -208,8 +214,9 @@ def on_leader_contact(s: QuorumState, sender: int, term: int, now: float) -> Out
     if e.majority_lost:
         actions.append(NotifyMajorityRegained(sender))
     election = evolve(e, role=Role.FOLLOWER, leader_id=sender, leader_seen_at=now,
-                       had_leader=True, votes=frozenset(), majority_lost=False)
-    return reset_timer(evolve(s, election=election), now), actions
+                       had_leader=True, votes=_NO_VOTES, majority_lost=False,
+                       **_timer(s, e, now))
+    return evolve(s, election=election), actions
 
 
 def on_heartbeat(s: QuorumState, sender: int, msg: Heartbeat, now: float) -> Outcome:

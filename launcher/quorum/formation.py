@@ -28,11 +28,12 @@ from .model import (
     Role,
     evolve,
 )
-from .pmap import with_item
+from .pmap import with_items
 from .state import (
     NEVER,
     Action,
     DeliverQuorum,
+    Leadership,
     Membership,
     NotifyQuorumFormed,
     QuorumRequested,
@@ -50,26 +51,85 @@ QUORUM_ID_STRIDE = 1_000_000_000
 
 
 def on_join(s: QuorumState, sender: int, join: JoinRequested, now: float) -> Outcome:
+    return on_joins(s, ((sender, join),), now)
+
+
+def on_joins(s: QuorumState, joins: Iterable[tuple[int, JoinRequested]], now: float, *,
+             heard_before: float = NEVER) -> Outcome:
+    """``(sender, join)`` pairs in order, as many ``on_join`` would take them:
+    the same state and actions, but the round is rebuilt once per batch (and
+    at a formation) rather than several state copies per join; a leader takes
+    a thousand joins a round, a few hundred per read of its socket. A sender
+    last heard before ``heard_before`` is marked heard ``now`` as its join is
+    taken (as ``core`` does for any message), not sooner: whether a member
+    that already joined is still alive decides whether a formation admits it."""
     if s.role is not Role.LEADER:
         return s, []  # the member re-sends to whoever it learns is leader
+    actions: list[Action] = []
     lead = s.leadership
-    if join.join_seq <= lead.answered_seq.get(sender, -1):
-        # A re-sent join we already answered: the answer was probably lost.
-        last = lead.last_announce
-        if last is not None and last.answered.get(sender) == join.join_seq and sender != s.me:
-            return s, [Send((sender,), last)]
-        return s, []
-    if not join.address:
-        known = lead.addresses.get(sender)
-        if known is None:
-            return s, []  # cannot happen by the member's rule; its resend is in full
-        join = evolve(join, address=known)
-    elif lead.addresses.get(sender) != join.address:
-        lead = evolve(lead, addresses=with_item(lead.addresses, sender, join.address))
-    current = lead.round or Round(opened_at=now, joins={})
-    joins = with_item(current.joins, sender, join)
-    s = evolve(s, leadership=evolve(lead, round=Round(current.opened_at, joins)))
-    return try_form(s, now)
+    batch = _JoinBatch(lead, now)
+    live = len(lead.live)
+    for sender, join in joins:
+        if sender not in batch.heard and s.heard.get(sender, NEVER) < heard_before:
+            batch.heard[sender] = now
+        if join.join_seq <= lead.answered_seq.get(sender, -1):
+            # A re-sent join we already answered: the answer was probably lost.
+            last = lead.last_announce
+            if last is not None and last.answered.get(sender) == join.join_seq \
+                    and sender != s.me:
+                actions.append(Send((sender,), last))
+            continue
+        known = batch.address(sender)
+        if not join.address:
+            if known is None:
+                continue  # cannot happen by the member's rule; its resend is in full
+            join = evolve(join, address=known)
+        elif known != join.address:
+            batch.addresses[sender] = join.address
+        batch.add(sender, join)
+        # Cheap test first (as in ``try_form``): the full one runs once the
+        # count can match, which keeps a 1,000-member round linear.
+        if batch.count >= live or now >= batch.opened_at + s.params.join_timeout:
+            s, more = try_form(batch.apply(s), now)
+            actions += more
+            lead = s.leadership
+            batch = _JoinBatch(lead, now)
+            live = len(lead.live)
+    return batch.apply(s), actions
+
+
+class _JoinBatch:
+    """Joins and addresses taken since the state was last rebuilt."""
+
+    def __init__(self, lead: Leadership, now: float) -> None:
+        self.lead = lead
+        self.base = lead.round.joins if lead.round is not None else {}
+        self.opened_at = lead.round.opened_at if lead.round is not None else now
+        self.count = len(self.base)
+        self.joins: dict[int, JoinRequested] = {}
+        self.addresses: dict[int, str] = {}
+        self.heard: dict[int, float] = {}
+
+    def address(self, sender: int) -> str | None:
+        known = self.addresses.get(sender)
+        return known if known is not None else self.lead.addresses.get(sender)
+
+    def add(self, sender: int, join: JoinRequested) -> None:
+        if sender not in self.joins and sender not in self.base:
+            self.count += 1
+        self.joins[sender] = join
+
+    def apply(self, s: QuorumState) -> QuorumState:
+        if self.heard:
+            s = evolve(s, heard=with_items(s.heard, self.heard))
+        if not self.joins:
+            return s
+        lead = self.lead
+        addresses = with_items(lead.addresses, self.addresses) if self.addresses \
+            else lead.addresses
+        joins = with_items(self.base, self.joins)
+        return evolve(s, leadership=evolve(lead, addresses=addresses,
+                                           round=Round(self.opened_at, joins)))
 
 
 def try_form(s: QuorumState, now: float) -> Outcome:
@@ -171,9 +231,8 @@ def request_quorum(s: QuorumState, request: QuorumRequested, now: float) -> Outc
     seq = m.join_seq + 1
     join = JoinRequested(s.term, request.next_step, request.address, request.health,
                          last, seq, m.commit_failed)
-    s = evolve(s, member=evolve(m, request=join, join_seq=seq, commit_failed=False,
-                                  sent_to=None, sent_at=NEVER))
-    return send_request(s, now, first=True)
+    return send_request(s, now, first=True, request=join, join_seq=seq, commit_failed=False,
+                        sent_to=None, sent_at=NEVER)
 
 
 def report_commit_failure(s: QuorumState, now: float) -> Outcome:
@@ -184,20 +243,24 @@ def report_commit_failure(s: QuorumState, now: float) -> Outcome:
     # the unamended bid (maybe already in flight) is not taken for this one.
     seq = m.join_seq + 1
     join = evolve(m.request, commit_failed=True, join_seq=seq)
-    s = evolve(s, member=evolve(m, request=join, join_seq=seq, sent_to=None))
-    return send_request(s, now, first=True)
+    return send_request(s, now, first=True, request=join, join_seq=seq, sent_to=None)
 
 
-def send_request(s: QuorumState, now: float, *, first: bool = False) -> Outcome:
+def send_request(s: QuorumState, now: float, *, first: bool = False,
+                 **changes: object) -> Outcome:
     """Send the bid to the leader; the first send of a bid leaves out an
     address the leader already has (kilobytes when a replica advertises its
-    ranks' endpoints, a thousand times a round); resends carry it."""
+    ranks' endpoints, a thousand times a round); resends carry it.
+    ``changes``: fields of ``Membership`` to set first, in the same copy (a
+    member makes a bid every step)."""
     m = s.member
+    request: JoinRequested | None = changes.get("request", m.request)  # type: ignore[assignment]
     leader = s.leader_id
-    if m.request is None or leader is None:
-        return s, []
-    join = evolve(m.request, term=s.term)
-    s = evolve(s, member=evolve(m, request=join, sent_to=leader, sent_at=now))
+    if request is None or leader is None:
+        return (evolve(s, member=evolve(m, **changes)) if changes else s), []
+    join = request if request.term == s.term else evolve(request, term=s.term)
+    s = evolve(s, member=evolve(m, **{**changes, "request": join, "sent_to": leader,
+                                      "sent_at": now}))
     if leader == s.me:
         return on_join(s, s.me, join, now)
     if first and leader_has_address(s, join):

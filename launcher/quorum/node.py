@@ -56,6 +56,8 @@ _ZERO_COPY_BYTES = 16384
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 _COUNTERS = ("sent", "received", "dropped_unreachable", "dropped_full", "dropped_by_fault",
              *(f"rejected_{r.value}" for r in Rejection))
 
@@ -217,6 +219,11 @@ class QuorumNode:
             received = self._receive(frames[1:], wall)
             if received is not None:
                 batch.append(received)
+            if not int(sock.get(_EVENTS)) & _POLLIN:
+                # Empty now: asking is cheaper than the raised ``zmq.Again`` of
+                # one more recv (a follower reads one message per wake-up).
+                more = False
+                break
         if len(batch) == 1:
             self.feed(batch[0], now)
         elif batch:

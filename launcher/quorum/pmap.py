@@ -48,6 +48,17 @@ class PMap(Mapping[K, V]):
             return PMap._of({**self._base, **top, key: value}, {}, length)
         return PMap._of(self._base, {**top, key: value}, length)
 
+    def updated(self, items: Mapping[K, V]) -> PMap[K, V]:
+        """A new map with every binding of ``items`` (a batch of updates: one
+        merge instead of one ``set`` each); this one is unchanged."""
+        if len(items) < _MIN_TOP:
+            new = self
+            for key, value in items.items():
+                new = new.set(key, value)
+            return new
+        added = sum(1 for key in items if key not in self)
+        return PMap._of({**self._base, **self._top, **items}, {}, self._len + added)
+
     def __getitem__(self, key: K) -> V:
         top = self._top
         if key in top:
@@ -74,6 +85,12 @@ class PMap(Mapping[K, V]):
 
     def __repr__(self) -> str:
         return f"PMap({dict(self.items())!r})"
+
+
+def with_items(mapping: Mapping[K, V], items: Mapping[K, V]) -> PMap[K, V]:
+    """``{**mapping, **items}`` without copying a ``PMap`` more than once."""
+    base = mapping if isinstance(mapping, PMap) else PMap(mapping)
+    return base.updated(items) if items else base
 
 
 def with_item(mapping: Mapping[K, V], key: K, value: V) -> PMap[K, V]:

@@ -33,6 +33,8 @@ BROADCAST = -1
 DOMAIN = b"ftl-quorum/1"
 _HEADER = struct.Struct("!BBiiQQdQH")
 _MAC_BYTES = 32
+#: ``Kind(code)`` without the enum call (a leader decodes 1,000 joins a round).
+_KINDS = {kind.value: kind for kind in Kind}
 #: Verified broadcasts kept for the other agents of the same loop: one verify
 #: and one decode of a 1,000-member announcement per process, not per agent.
 _CACHE_SIZE = 32
@@ -124,7 +126,7 @@ def _decode(data: bytes) -> Envelope:
             raise Rejected(Rejection.MALFORMED, f"version {version}")
         start = _HEADER.size
         address = data[start:start + addr_len].decode()
-        message = decode_payload(Kind(kind), term, data[start + addr_len:])
+        message = decode_payload(_KINDS[kind], term, data[start + addr_len:])
     except (ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
         raise Rejected(Rejection.MALFORMED, str(exc)) from None
     return Envelope(sender, to, incarnation, nonce, sent_at, address, message)
