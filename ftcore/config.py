@@ -212,6 +212,7 @@ class HealthConfig:
 
     gpus_per_node: int = 0
     backend: str = "auto"
+    inspection: bool = True          # an inspection step per node during ft-launch run
     inspection_interval: float = 5.0
     min_free_disk_bytes: int = 1 << 30
 

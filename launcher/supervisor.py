@@ -22,7 +22,7 @@ from pathlib import Path
 from ftcore.config import Config, PromotionPath, StandbyMode
 from ftcore.errors import ExitCode, SlurmCommandError
 from ftcore.events import Event, EventLog, NodeDrained
-from ftcore.slurm.client import SlurmBackend
+from ftcore.slurm.client import SlurmBackend, cancel_named_step
 from ftcore.slurm.commands import StepSpec
 from ftcore.slurm.states import Disposition, node_disposition
 
@@ -37,10 +37,12 @@ from .events import (
     RunFinished,
     StandbyPromoted,
 )
+from .inspection import NodeInspection
 from .plan import LaunchPlan, replica_step_spec
 from .pool import ReservationPool
 from .standby import activate, unhealthy_file
 from .worker.events import StepCommitted, WorkerStarted
+from .worker.identity import ENV_SECRET
 
 log = logging.getLogger(__name__)
 NODE_CHECK_INTERVAL = 2.0
@@ -61,6 +63,7 @@ class Progress:
     last_step: int = -1
     last_time: float = field(default_factory=time.monotonic)  # last commit or (re)launch
     last_commit: float | None = None
+    previous_commit: float | None = None    # the poll before, when it committed too
     #: (re)launched: commits count again only after the new process says it started
     #: (lines the cancelled one wrote may still be unread)
     awaiting_start: bool = False
@@ -91,6 +94,9 @@ class Supervisor:
         self._last_node_check = 0.0
         self.pool = ReservationPool(slurm, config.job, plan.job_id or "") \
             if config.job.standby_mode is StandbyMode.RESERVATION else None
+        self.inspection = NodeInspection(
+            config.health, slurm, worker_env[ENV_SECRET], worker_env, self.logs,
+            config.slurm.srun_extra_args) if config.health.inspection else None
         self.versions = cv.VersionState.initial(
             plan.command, cv.digest_command(plan.command, Path.cwd()),
             [r.replica_id for r in plan.replicas], time.time())
@@ -107,9 +113,13 @@ class Supervisor:
     def launch_replica(self, replica_id: int, nodes: tuple[str, ...], how: str) -> None:
         for node in nodes:  # a node taken over from the pool: end its standby agent
             self._cancel_standby(node)
+        command = self._command_for(replica_id)
+        if how != "initial":
+            # Stop-time diagnosis before a retry in place (or on a node new to the job):
+            # the gate's health checks; a failure exits 76 and the node is evicted.
+            command = (sys.executable, "-m", "slurm_plugins.gate", "--", *command)
         spec = replica_step_spec(self.plan, nodes, replica_id,
-                                 self.config.slurm.srun_extra_args,
-                                 command=self._command_for(replica_id),
+                                 self.config.slurm.srun_extra_args, command=command,
                                  overlap=bool(set(nodes) & self._expanded))
         env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
         proc = self._popen(spec, env, f"replica-{replica_id}.log")
@@ -141,6 +151,15 @@ class Supervisor:
             self.state = replace(self.state, standby=self.state.standby + held)
         for node in self.state.standby:
             self.launch_standby(node)
+        for replica in self.state.replicas:
+            for node in replica.nodes:
+                self._inspect(node, self.plan.job_id)
+        for node in self.state.standby:
+            self._inspect(node, self.standbys[node].job_id)
+
+    def _inspect(self, node: str, job_id: str | None) -> None:
+        if self.inspection is not None:
+            self.inspection.watch(node, job_id)
 
     # ------------------------------------------------------------------ the loop
 
@@ -165,6 +184,10 @@ class Supervisor:
         if now - self._last_node_check > NODE_CHECK_INTERVAL:
             self._last_node_check = now
             observed += self._check_nodes()
+        if self.inspection is not None:
+            observed += [self._fault(None, node, reason)
+                         for node, reason in self.inspection.alarms()
+                         if node not in self.state.evicted]
         for event in observed:
             code = self._execute_all(self._decide(event))
             if code is not None:
@@ -241,7 +264,9 @@ class Supervisor:
                 elif isinstance(event, StepCommitted) and not progress.awaiting_start:
                     steps.append(event.step)
             if steps:
-                self.progress[replica_id] = Progress(max(steps), now, now)
+                previous = now if len(steps) > 1 else progress.last_commit
+                # (several commits read at once: the one before was just now too)
+                self.progress[replica_id] = Progress(max(steps), now, now, previous)
                 found.append(rc.ReplicaProgressed(replica_id))
         return found
 
@@ -280,15 +305,24 @@ class Supervisor:
         try:
             return unhealthy_file(self.run_dir, node).read_text(encoding="utf-8").strip()
         except OSError:
-            return "health gate failed"
+            return "health gate failed (its reason is in the replica's log)"
 
     def _check_stalls(self, now: float) -> list[rc.Event]:
         """A replica that stopped committing while another went on: its node is suspect.
         Only commits count as going on: a replica just (re)launched is not progress, and
         survivors of a lost majority are stalled by the quorum, not by their nodes."""
         timeout = self.config.recovery
-        newest = max((p.last_commit for p in self.progress.values()
-                      if p.last_commit is not None), default=-float("inf"))
+        # "Going on" means committing steadily: the last commit within half the window
+        # and the one before within the window, from a replica not (re)launched within
+        # it. When a peer dies the survivors all stall on FTAR / quorum timeouts and
+        # resume a few ms apart; the first to resume is not yet "steady" if the stall was
+        # longer than the window, and if it was shorter the others are not over the
+        # limit. A restarted replica's catch-up commit does not count either.
+        window = timeout.lost_timeout
+        steady = [rid for rid, p in self.progress.items()
+                  if rid in self.replicas and now - self.replicas[rid].started > window
+                  and p.last_commit is not None and p.last_commit > now - window / 2
+                  and p.previous_commit is not None and p.previous_commit > now - window]
         found: list[rc.Event] = []
         for replica in self.state.replicas:
             if replica.replica_id not in self.replicas:
@@ -296,7 +330,7 @@ class Supervisor:
             silent = now - self.progress[replica.replica_id].last_time
             limit = timeout.start_timeout if replica.state is rc.ReplicaState.RECOVERING \
                 else timeout.lost_timeout
-            others_moving = now - newest < timeout.lost_timeout / 2
+            others_moving = any(rid != replica.replica_id for rid in steady)
             if silent > limit and (others_moving or replica.state is rc.ReplicaState.RECOVERING):
                 found.append(self._fault(replica.replica_id, replica.nodes[0],
                                          f"replica {replica.replica_id} made no progress for "
@@ -380,13 +414,18 @@ class Supervisor:
             # Without operator rights: recorded, so the epilog / an admin drains it.
             log.error("could not drain %s (%s): %s", node, text, error)
         self._cancel_standby(node)
+        if self.inspection is not None:
+            self.inspection.unwatch(node)
 
     def _promote(self, replica_id: int, node: str) -> None:
         if self.pool is not None and node in self.pool.holder \
                 and self.pool.path is PromotionPath.EXPANSION:
             self._cancel_standby(node)
+            if self.inspection is not None:
+                self.inspection.unwatch(node)   # its step ends with the standby job's node
             self.pool.move_to_main(node)
             self._expanded.add(node)
+            self._inspect(node, self.plan.job_id)
             self.events.emit(StandbyPromoted(replica_id=replica_id, node=node,
                                              how="moved into the job (expansion)"))
             self.launch_replica(replica_id, (node,), "promoted")
@@ -412,6 +451,7 @@ class Supervisor:
         if added is not None:
             self.state, _ = rc.decide(self.state, rc.StandbyAdded(added), self.policy)
             self.launch_standby(added)
+            self._inspect(added, self.standbys[added].job_id)
 
     def _cancel_replica(self, replica_id: int) -> None:
         watched = self.replicas.pop(replica_id, None)
@@ -424,22 +464,16 @@ class Supervisor:
             self._cancel_step(watched)
 
     def _cancel_step(self, watched: Watched) -> None:
-        """scancel the step by name (its id is Slurm's), then make sure srun is gone."""
-        try:
-            for step in self.slurm.steps(watched.job_id or self.plan.job_id or ""):
-                if step.name == watched.name:
-                    self.slurm.cancel_step(step.step)
-        except SlurmCommandError as error:
-            log.warning("scancel of %s: %s", watched.name, error)
-        if watched.proc.poll() is None:
-            watched.proc.kill()
-            watched.proc.wait(timeout=30)
+        cancel_named_step(self.slurm, watched.job_id or self.plan.job_id or "", watched.name,
+                          watched.proc)
 
     def stop_all(self) -> None:
         for replica_id in list(self.replicas):
             self._cancel_replica(replica_id)
         for node in list(self.standbys):
             self._cancel_standby(node)
+        if self.inspection is not None:
+            self.inspection.close()
         if self.pool is not None:
             self.pool.release()
 

@@ -145,3 +145,18 @@ class SlurmCli:
 
     def config(self) -> dict[str, str]:
         return parse.parse_config(self.run(commands.show_config_argv()))
+
+
+def cancel_named_step(slurm: SlurmBackend, job_id: str, name: str,
+                      proc: subprocess.Popen[bytes]) -> None:
+    """scancel the step called ``name`` (its id is Slurm's), then make sure the local
+    ``srun`` of it is gone."""
+    try:
+        for step in slurm.steps(job_id):
+            if step.name == name:
+                slurm.cancel_step(step.step)
+    except SlurmCommandError as error:
+        log.warning("scancel of %s: %s", name, error)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)

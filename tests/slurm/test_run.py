@@ -9,6 +9,8 @@ differs is the fault:
 * two replica nodes of four die at once: two promotions;
 * the promoted standby's node fails the health gate at promotion: it is drained
   and the replica goes to the next standby;
+* the inspection step of a live replica's node reports a GPU fault: the node is
+  drained with that reason and the standby promoted;
 * the standby node dies while it is being promoted: the next standby takes over;
 * every replica node dies (the controller runs alone on the batch host): the
   replicas restart in the allocation from the newest persistent checkpoint;
@@ -46,6 +48,9 @@ REPO = Path(__file__).resolve().parents[2]
 FAST_DETECTION = {
     "FTL_RECOVERY_LOST_TIMEOUT": "4", "FTL_RECOVERY_START_TIMEOUT": "20",
     "FTL_QUORUM_MEMBER_TIMEOUT": "2", "FTL_QUORUM_JOIN_TIMEOUT": "1",
+    # a ring waiting on a peer that just died must give up before the controller's
+    # lost_timeout would blame the waiting replica's node
+    "FTL_FTAR_CONNECT_TIMEOUT": "2",
     # survivors of a lost majority wait (paced, ~1 s a try) for the others to come back
     "FTL_RUNTIME_MAX_CONSECUTIVE_FAILURES": "60",
     "FTL_CKPT_PERSIST_EVERY": "100000"}
@@ -177,7 +182,10 @@ def test_two_replica_nodes_lost_at_once_get_two_standbys(training):
     assert sorted(summary["nodes_drained"]) == sorted(victims)
 
 
-def test_promoted_node_failing_the_health_gate_passes_the_replica_on(training, tmp_path):
+@pytest.fixture
+def simulated_gpus(tmp_path) -> tuple[Path, Path]:
+    """An admin health config with 8 simulated GPUs per node; faults are injected by
+    writing ``<faults>/<node>.json``. Returns (faults dir, config file)."""
     faults = tmp_path / "faults"
     faults.mkdir()
     config = tmp_path / "health.toml"
@@ -185,6 +193,11 @@ def test_promoted_node_failing_the_health_gate_passes_the_replica_on(training, t
                       f'sim_fault_dir = "{faults}"\n'
                       f'[checks.disk]\npaths = ["/"]\nmin_free_bytes = 1048576\n'
                       f'[checks.shm]\nmin_free_bytes = 1048576\n')
+    return faults, config
+
+
+def test_promoted_node_failing_the_health_gate_passes_the_replica_on(training, simulated_gpus):
+    faults, config = simulated_gpus
     run = training(standby=2, steps=1000, FT_LAUNCH_HEALTH_CONFIG=str(config))
     run.wait_training(60)
     first, second = run.standby_nodes()
@@ -199,6 +212,23 @@ def test_promoted_node_failing_the_health_gate_passes_the_replica_on(training, t
     assert info.drained and "health gate failed at promotion" in info.reason, info.reason
     summary = run.finish()
     assert sorted(summary["nodes_drained"]) == sorted([victim, first])
+
+
+def test_inspection_alarm_on_a_replica_node_evicts_it(training, simulated_gpus):
+    """A GPU of a live replica's node reports XID 79 (fallen off the bus): the node's
+    inspection step reports it, the node is drained with that reason, the standby
+    promoted; no process died."""
+    faults, config = simulated_gpus
+    run = training(steps=900, FT_LAUNCH_HEALTH_CONFIG=str(config),
+                   FTL_HEALTH_INSPECTION_INTERVAL="1")
+    run.wait_training(60)
+    (victim,) = run.victims(1)
+    (faults / f"{victim}.json").write_text(json.dumps([{"gpu": 2, "xid": 79}]))
+    (promoted,) = run.wait_promoted(1)
+    (info,) = run.cluster.slurm.nodes((victim,))
+    assert info.drained and "inspection" in info.reason and "79" in info.reason, info.reason
+    summary = run.finish()
+    assert summary["nodes_drained"] == [victim] and summary["promotions"] == 1
 
 
 def test_standby_node_dying_during_its_promotion_passes_the_replica_on(training):
