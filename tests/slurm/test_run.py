@@ -198,7 +198,10 @@ def simulated_gpus(tmp_path) -> tuple[Path, Path]:
 
 def test_promoted_node_failing_the_health_gate_passes_the_replica_on(training, simulated_gpus):
     faults, config = simulated_gpus
-    run = training(standby=2, steps=1000, FT_LAUNCH_HEALTH_CONFIG=str(config))
+    # No inspection steps: they would find the fault on the idle standby first (and evict
+    # it, which is right too); here the fault lands between two inspection rounds.
+    run = training(standby=2, steps=1000, FT_LAUNCH_HEALTH_CONFIG=str(config),
+                   FTL_HEALTH_INSPECTION="false")
     run.wait_training(60)
     first, second = run.standby_nodes()
     wait_until(lambda: ready_file(run.run_dir, first).exists(), 60, "the standby to be warm")
