@@ -37,6 +37,14 @@ class StandbyPromoted(Event):
 
 
 @dataclass(frozen=True)
+class NodeDrainRequested(Event):
+    """Evicted, but not drained (no operator rights): left to the node's Epilog."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class FullRestartOrdered(Event):
     """Most replicas lost at once: every replica restarts from the newest checkpoint."""
 

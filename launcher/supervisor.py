@@ -31,12 +31,14 @@ from . import versions as cv
 from .events import (
     EventTail,
     FullRestartOrdered,
+    NodeDrainRequested,
     NodeFaultDetected,
     ReplicaExited,
     ReplicaLaunched,
     RunFinished,
     StandbyPromoted,
 )
+from .drain_request import job_comment, write_request
 from .inspection import NodeInspection
 from .plan import LaunchPlan, replica_step_spec
 from .pool import ReservationPool
@@ -411,11 +413,21 @@ class Supervisor:
             self.slurm.set_node_state(node, "drain", text)
             self.events.emit(NodeDrained(node=node, reason=text))
         except SlurmCommandError as error:
-            # Without operator rights: recorded, so the epilog / an admin drains it.
-            log.error("could not drain %s (%s): %s", node, text, error)
+            # Without operator rights: recorded, so the node's Epilog drains it.
+            log.error("could not drain %s (%s): %s; the Epilog will", node, text, error)
+            self._request_epilog_drain(node, text)
         self._cancel_standby(node)
         if self.inspection is not None:
             self.inspection.unwatch(node)
+
+    def _request_epilog_drain(self, node: str, reason: str) -> None:
+        job_id = self.plan.job_id or ""
+        write_request(self.run_dir, job_id, node, reason)
+        try:
+            self.slurm.set_comment(job_id, job_comment(self.run_dir))
+        except SlurmCommandError as error:
+            log.error("job comment not set (%s): an admin must drain %s", error, node)
+        self.events.emit(NodeDrainRequested(node=node, reason=reason))
 
     def _promote(self, replica_id: int, node: str) -> None:
         if self.pool is not None and node in self.pool.holder \

@@ -5,7 +5,9 @@ The compute-node Epilog is not told how the job ended (SLURM_JOB_EXIT_CODE is
 for EpilogSlurmctld only), so it asks slurmctld (``scontrol show job``): the
 batch script's ``ExitCode`` and the steps' ``DerivedExitCode`` are final by
 then. When slurmctld cannot say, the deeper profile runs: a slower epilog is
-cheaper than a sick node taking the next job.
+cheaper than a sick node taking the next job. A node the job's ft-launch
+controller evicted without the rights to drain it is drained here
+(``launcher.drain_request``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from ftcore.errors import SlurmCommandError
 from ftcore.slurm.client import SlurmCli
 from ftcore.slurm.commands import show_job_argv
 from ftcore.slurm.parse import parse_records
+from health.drain import drain_node
 from health.settings import HealthSettings
+from launcher.drain_request import requested_reason
 
 from .hook import HookEnv, run_hook
 
@@ -50,7 +54,22 @@ def choose_profile(env: HookEnv, settings: HealthSettings, slurm: SlurmCli) -> s
     record = next((r for r in records if r.get("JobId") == env.job_id), None)
     if record is None:
         return PROFILE_FAILED
+    honour_drain_request(record, env, slurm)
     return PROFILE_FAILED if ended_badly(record) else PROFILE_OK
+
+
+def honour_drain_request(record: Mapping[str, str], env: HookEnv, slurm: SlurmCli) -> None:
+    """Drain this node if the job's ft-launch controller evicted it but could not drain
+    it (no operator rights): see ``launcher.drain_request``."""
+    reason = requested_reason(record, env.job_id or "", env.node)
+    if reason is None:
+        return
+    log.warning("job %s's controller evicted %s: draining it (%s)", env.job_id, env.node,
+                reason)
+    try:
+        drain_node(slurm, env.node, reason)
+    except SlurmCommandError as exc:
+        log.error("could not drain %s: %s", env.node, exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

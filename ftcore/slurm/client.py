@@ -41,6 +41,7 @@ class SlurmBackend(Protocol):
                  immediate_s: int | None = None) -> str: ...
     def shrink_job(self, job_id: str, keep: tuple[str, ...]) -> None: ...
     def cancel_job(self, job_id: str) -> None: ...
+    def set_comment(self, job_id: str, comment: str) -> None: ...
     def config(self) -> dict[str, str]: ...
 
 
@@ -145,6 +146,9 @@ class SlurmCli:
 
     def config(self) -> dict[str, str]:
         return parse.parse_config(self.run(commands.show_config_argv()))
+
+    def set_comment(self, job_id: str, comment: str) -> None:
+        self.run(commands.set_comment_argv(job_id, comment))
 
 
 def cancel_named_step(slurm: SlurmBackend, job_id: str, name: str,

@@ -134,6 +134,10 @@ def shrink_job_argv(job_id: str, keep: tuple[str, ...]) -> list[str]:
     return ["scontrol", "update", f"jobid={job_id}", f"nodelist={compress(keep)}"]
 
 
+def set_comment_argv(job_id: str, comment: str) -> list[str]:
+    return ["scontrol", "update", f"jobid={job_id}", f"comment={comment}"]
+
+
 def cancel_job_argv(job_id: str) -> list[str]:
     return ["scancel", job_id]
 

@@ -7,6 +7,7 @@ HealthCheckProgram; faults are simulated per node (``<faults>/<node>.json``).
 * the Epilog after a failed job runs the deeper profile, after a good one the
   normal one;
 * the step-level gate fails only its own step on a faulty node;
+* the Epilog drains a node the job's controller evicted but could not drain;
 * dual-phase replay, one srun step per row and per column, finds the node
   injected with silent data corruption.
 
@@ -31,6 +32,7 @@ from ftcore.slurm.client import SlurmCli
 from health.replay import ReplayStatus, plan_replay_grid
 from health.replay_job import reference_digest
 from health.replay_runner import SrunGroupLauncher, run_replay
+from launcher.drain_request import job_comment, write_request
 from tests.cluster import labcluster
 from tests.waiting import wait_until
 
@@ -187,3 +189,22 @@ def test_dual_phase_replay_finds_the_corrupting_node(slurm_cluster, health):
         assert (verdict.status, verdict.suspects) == (ReplayStatus.FOUND, ("n3",)), outcomes
     finally:
         slurm_cluster.cancel(job_id)
+
+
+def test_epilog_drains_a_node_the_controller_evicted_without_operator_rights(
+        slurm_cluster, health):
+    """The controller could not drain (no rights): it left a request in its run
+    directory and named that in the job's Comment; the Epilog on the node drains it."""
+    labcluster.configure(labcluster.Hooks(epilog=health.wrapper("epilog")))
+    job_id = allocate(["n3", "n4"])
+    run_dir = health.tmp / "run"
+    try:
+        write_request(run_dir, job_id, "n3", "replica 1 made no progress for 12 s")
+        slurm_cluster.slurm.set_comment(job_id, job_comment(run_dir))
+    finally:
+        slurm_cluster.cancel(job_id)
+    reason = wait_until(lambda: node_reason(slurm_cluster, "n3"), 90, "n3 to be drained")
+    assert f"evicted by ft-launch (job {job_id}): replica 1 made no progress for 12 s" \
+        in reason, reason
+    wait_until((health.reports / "n4" / f"epilog-{job_id}.json").exists, 60, "n4's epilog")
+    assert not node_reason(slurm_cluster, "n4")   # the request named n3 only
