@@ -62,7 +62,6 @@ class Watched:
 
 @dataclass
 class Progress:
-    last_step: int = -1
     last_time: float = field(default_factory=time.monotonic)  # last commit or (re)launch
     last_commit: float | None = None
     previous_commit: float | None = None    # the poll before, when it committed too
@@ -233,9 +232,7 @@ class Supervisor:
         """Every launch asks which code version the replica runs (a pending update is
         applied at its next recovery)."""
         actions = self._versions(cv.ReplicaLaunching(replica_id))
-        for action in actions:
-            if isinstance(action, Event):
-                self.events.emit(action)
+        self._execute_all(actions)      # the records; RunVersion itself is read here
         (run,) = [a for a in actions if isinstance(a, cv.RunVersion)]
         return run.version.command
 
@@ -259,16 +256,16 @@ class Supervisor:
             # Any new commit is progress: after a full restart, steps repeat from the
             # checkpoint's, below the highest ever seen.
             progress = self.progress[replica_id]
-            steps = []
+            commits = 0
             for event in tail.read():
                 if isinstance(event, WorkerStarted):
                     progress.awaiting_start = False
                 elif isinstance(event, StepCommitted) and not progress.awaiting_start:
-                    steps.append(event.step)
-            if steps:
-                previous = now if len(steps) > 1 else progress.last_commit
+                    commits += 1
+            if commits:
                 # (several commits read at once: the one before was just now too)
-                self.progress[replica_id] = Progress(max(steps), now, now, previous)
+                previous = now if commits > 1 else progress.last_commit
+                self.progress[replica_id] = Progress(now, now, previous)
                 found.append(rc.ReplicaProgressed(replica_id))
         return found
 
