@@ -182,14 +182,20 @@ def _processes(proc_root: Path) -> Iterator[tuple[int, str, int]]:
 
 
 def _job_of(proc_root: Path, pid: int) -> str | None:
+    """The job a process runs for, or None. slurmd gives its hooks (Prolog, Epilog on
+    this node or, where several slurmd share a host, on another) the job's id too, and
+    marks them with SLURM_SCRIPT_CONTEXT: those run *about* a job, not *in* it."""
     try:
         environ = (proc_root / str(pid) / "environ").read_bytes()
     except OSError:
         return None
+    job = None
     for item in environ.split(b"\0"):
+        if item.startswith(b"SLURM_SCRIPT_CONTEXT="):
+            return None
         if item.startswith(b"SLURM_JOB_ID="):
-            return item[len(b"SLURM_JOB_ID="):].decode(errors="replace")
-    return None
+            job = item[len(b"SLURM_JOB_ID="):].decode(errors="replace")
+    return job
 
 
 def _lineage(table: dict[int, int], pid: int) -> set[int]:

@@ -89,6 +89,22 @@ def test_leftover_processes_of_the_ended_job_are_found():
         child.wait()
 
 
+@pytest.mark.timeout(30)
+def test_a_hook_running_for_the_job_is_not_a_leftover():
+    """Another node's Epilog for the same job (several slurmd on one host) carries
+    SLURM_JOB_ID but also SLURM_SCRIPT_CONTEXT: not a process of the job."""
+    hook = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, "SLURM_JOB_ID": "987655",
+                                 "SLURM_SCRIPT_CONTEXT": "epilog_slurmd"})
+    try:
+        ended = ctx(job=JobFacts("987655", ended=True))
+        result = host_checks.leftover_processes("l", ended, host_checks.LeftoverParams())
+        assert result.status is CheckStatus.PASS, result
+    finally:
+        hook.kill()
+        hook.wait()
+
+
 def test_zombies_counted_from_proc(tmp_path):
     for pid, state in ((10, "Z"), (11, "Z"), (12, "S")):
         (tmp_path / str(pid)).mkdir()
