@@ -1,11 +1,14 @@
 """Checkpoint benchmark (not a test): snapshot overhead, fetch, persistent write, restore.
 
     python benchmarks/ckpt_bench.py [--json FILE] [--batch 256] [--pairs 10] [--steps 3]
-        [--variants lazy,lazy-nohelp,eager-crc,eager-sum64] [--backup-pairs 4] [--overhead-only]
+        [--variants resident,lazy,lazy-nohelp,eager-crc,eager-sum64] [--backup-pairs 4]
+        [--overhead-only]
 
 A CPU training loop (~100M-parameter MLP + Adam) runs with and without a
 snapshot every step in interleaved runs, each snapshot run between two plain
-ones; samples taken while other processes used the shared CPUs are set aside
+ones (plain: torch's Adam; ``resident``: ft's ResidentAdam, which writes each
+step's state into the snapshot buffer instead of having it copied; ``lazy``:
+torch's Adam and a copy in a background thread, the path for any optimizer); samples taken while other processes used the shared CPUs are set aside
 (see ``snapshot_overhead``); the same again with each snapshot pushed to a
 backup peer (``backup_cost``). Then the same state is fetched over HTTP (against
 a raw-socket transfer of the same bytes), written to HDF5 (against
@@ -39,6 +42,7 @@ from ckpt.backup import BackupSender, BackupStore
 from ckpt.fetch import Peer, fetch_state, push_backup
 from ckpt.manifest import add_checksums
 from ckpt.persist import Completeness, PersistentStore, fsync_file
+from ckpt.resident import Residency, ResidentAdam
 from ckpt.restore import DiskTier, MemoryTier, PeerTier, RestoreChain, Tier, TierKind
 from ckpt.serve import StateServer
 from ckpt.snapshot import DualBufferSnapshotter
@@ -47,6 +51,7 @@ from ftcore.config import CkptConfig
 from ftcore.ids import new_job_secret
 
 SECRET = new_job_secret()
+RESIDENT = "resident"
 GB = 1e9
 DEFAULTS = CkptConfig()
 
@@ -59,13 +64,16 @@ def median(values: list[float]) -> float:
 
 
 class Trainer:
-    """An MLP of ``layers`` square layers (width ``width``) and Adam, on the CPU."""
+    """An MLP of ``layers`` square layers (width ``width``) and Adam, on the CPU;
+    ``resident``: ft's ResidentAdam, whose state lives in the snapshot buffers."""
 
-    def __init__(self, width: int, layers: int, batch: int) -> None:
+    def __init__(self, width: int, layers: int, batch: int, resident: bool = False) -> None:
         torch.manual_seed(0)
         self.model = torch.nn.Sequential(*[module for _ in range(layers) for module in
                                            (torch.nn.Linear(width, width), torch.nn.GELU())])
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
+        self.optimizer: torch.optim.Optimizer = (
+            ResidentAdam(self.model.parameters(), lr=1e-5) if resident
+            else torch.optim.Adam(self.model.parameters(), lr=1e-5))
         self.x = torch.randn(batch, width)
         self.y = torch.randn(batch, width)
         self.step_index = 0
@@ -155,8 +163,13 @@ def spread(values: list[float]) -> dict[str, Any]:
 
 def snapshot_overhead(trainer: Trainer, variants: dict[str, DualBufferSnapshotter],
                       pairs: int, steps: int, max_foreign: float,
-                      max_rounds: int) -> dict[str, Any]:
+                      max_rounds: int, trainers: dict[str, Trainer] | None = None
+                      ) -> dict[str, Any]:
     """Step time with a snapshot every step against without, per variant.
+
+    A run without snapshot always trains ``trainer`` (torch's Adam); a variant
+    in ``trainers`` runs its snapshots on its own trainer (the same model with
+    ResidentAdam), so the baseline is what a user would run without ft.
 
     Runs alternate ``A B1 A B2 A B2 A B1 ...`` (A: no snapshot). Each B is compared
     with the mean of the A runs either side of it, which cancels a slow drift
@@ -177,7 +190,7 @@ def snapshot_overhead(trainer: Trainer, variants: dict[str, DualBufferSnapshotte
         # Each round starts with another variant, so that none always follows the same one.
         for name in names[round_index % len(names):] + names[:round_index % len(names)]:
             snapshotter = variants[name]
-            with_snapshot = timed_run(trainer, snapshotter, steps)
+            with_snapshot = timed_run((trainers or {}).get(name, trainer), snapshotter, steps)
             after = timed_run(trainer, None, steps)
             pct = 100 * (with_snapshot.step_s / ((before.step_s + after.step_s) / 2) - 1)
             quiet = max(before.foreign, with_snapshot.foreign, after.foreign) < max_foreign
@@ -248,6 +261,9 @@ VARIANTS: dict[str, Callable[[int], DualBufferSnapshotter]] = {
                                                     help_in_wait=False),
     # A fast checksum (64-bit row and column sums) at snapshot time instead.
     "eager-sum64": lambda nice: EagerSumSnapshotter(worker_nice=nice),
+    # No copy: ResidentAdam writes each step's state into the snapshot buffer
+    # (its own trainer, bound with ``Residency`` in ``main``).
+    RESIDENT: lambda nice: DualBufferSnapshotter(worker_nice=nice),
 }
 
 
@@ -516,7 +532,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-foreign", type=float, default=0.10,
                         help="a sample counts if other processes took less than this share "
                              "of the CPUs during its runs")
-    parser.add_argument("--variants", default="lazy",
+    parser.add_argument("--variants", default=f"{RESIDENT},lazy",
                         help=f"comma-separated, first one is the headline: {', '.join(VARIANTS)}")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each transfer")
     parser.add_argument("--worker-nice", type=int, default=DEFAULTS.snapshot_nice,
@@ -541,14 +557,21 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(args.width, args.layers, args.batch)
     trainer.run(2, None)  # Adam's state exists from here on
     variants = {name: VARIANTS[name](args.worker_nice) for name in args.variants.split(",")}
-    for snapshotter in variants.values():
-        trainer.run(2, snapshotter)  # buffers allocated and touched
-    snapshotter = next(iter(variants.values()))
+    trainers = {}
+    if RESIDENT in variants:
+        resident = trainers[RESIDENT] = Trainer(args.width, args.layers, args.batch, resident=True)
+        assert isinstance(resident.optimizer, ResidentAdam)
+        Residency(resident.model, resident.optimizer, variants[RESIDENT])
+    for name, snapshotter in variants.items():
+        trainers.get(name, trainer).run(2, snapshotter)  # buffers allocated and touched
+    # Rates, transfers and restores are of copied snapshots of the torch trainer.
+    snapshotter = next((s for name, s in variants.items() if name not in trainers),
+                       None) or VARIANTS["lazy"](args.worker_nice)
     print(f"model {trainer.params / 1e6:.1f} M params + Adam, batch {args.batch}, "
           f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}", flush=True)
     overhead = timed("snapshot overhead (paired runs)", lambda: snapshot_overhead(
         trainer, variants, args.pairs, args.steps, args.max_foreign,
-        args.max_rounds or 3 * args.pairs))
+        args.max_rounds or 3 * args.pairs, trainers))
     rates = timed("snapshot rates", lambda: snapshot_rates(trainer, snapshotter))
     rates.update(copy_floor(rates["bytes"]))
     if args.overhead_only:
@@ -564,10 +587,13 @@ def main(argv: list[str] | None = None) -> int:
                                                               args.reps))
         restore = timed("restore per tier", lambda: restore_times(snapshotter, Path(tmp)))
     nbytes = rates["bytes"]
+    # Each variant's median over clean samples (over all, if none was clean).
+    variant_pct = {name: float(f["clean" if f["clean"]["n"] else "all"]["median"])
+                   for name, f in overhead["variants"].items()}
     summary = {
         # The first variant's median over clean samples (over all, if none was clean).
-        "snapshot_overhead_pct": next(float(f["clean" if f["clean"]["n"] else "all"]["median"])
-                                      for f in overhead["variants"].values()),
+        "snapshot_overhead_pct": next(iter(variant_pct.values())),
+        "snapshot_overhead_pct_by_variant": variant_pct,
         "snapshot_GBps": round(nbytes / rates["copy_s"] / GB, 2),
         "fetch_GBps": round(fetch["fetch"], 2),
         "raw_socket_GBps": round(fetch["raw"], 2),

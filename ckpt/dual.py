@@ -3,8 +3,10 @@
 Shared by the rank's own snapshots (``snapshot.py``) and the backups it keeps
 for a peer (``backup.py``): a write always goes into the buffer that does not
 hold the newest complete copy, so that copy stays readable until the new one
-is complete. The writer never waits for readers: if the buffer it would reuse
-is leased, ``begin`` declines and the caller skips that copy.
+is complete. A copying writer never waits for readers: if the buffer it would
+reuse is leased, ``begin`` declines and the caller skips that copy. Resident
+state (``resident.py``), whose optimizer step must write somewhere, waits a
+bounded time instead.
 
 A copy may be committed without checksums (snapshots: see ``snapshot``); the
 first lease that needs them computes them from the leased bytes, once, and
@@ -101,12 +103,13 @@ class DualBuffer:
         self._slots = (Slot(0), Slot(1))
         self._latest: Slot | None = None
 
-    def begin(self, total_bytes: int) -> Slot | None:
-        """Claim the older slot for writing ``total_bytes``; None if it is being read."""
+    def begin(self, total_bytes: int, wait: float = 0.0) -> Slot | None:
+        """Claim the older slot for writing ``total_bytes``; None if it is still
+        being read after ``wait`` seconds (copies skip; resident state waits)."""
         with self._cond:
-            slot = self._slots[0] if self._latest is None else self._slots[1 - self._latest.index]
-            if slot.readers:
+            if not self._cond.wait_for(lambda: not self._older().readers, wait):
                 return None
+            slot = self._older()
             slot.move(SlotState.COPYING)
             slot.manifest = None
         # Allocating outside the lock is safe: nobody reads a COPYING slot.
@@ -115,6 +118,10 @@ class DualBuffer:
             slot.buffer = None  # free the old one before allocating the new
             slot.buffer = self._allocator(max(total_bytes, 1))
         return slot
+
+    def _older(self) -> Slot:
+        """The slot that does not hold the newest complete copy."""
+        return self._slots[0] if self._latest is None else self._slots[1 - self._latest.index]
 
     def commit(self, slot: Slot, manifest: Manifest) -> None:
         """The copy in ``slot`` is complete and checked: make it the newest."""

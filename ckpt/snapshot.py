@@ -3,6 +3,9 @@
 Two preallocated CPU buffers alternate: the snapshot of step n goes into the
 buffer that does not hold the newest complete snapshot, so that one stays
 readable (by restore, the state server, the backup sender) while the copy runs.
+With ``resident.py``'s Adam there is no copy of the parameters and moments:
+the optimizer step writes them into the claimed buffer (``claim``), and
+``start`` copies only the rest.
 
 Protocol per step, in the training thread::
 
@@ -77,7 +80,7 @@ from ftcore.config import CkptConfig
 
 from .dual import Allocator, DualBuffer, Slot, SlotState, Snapshot, numpy_allocator
 from .errors import SnapshotFailedError
-from .manifest import Bytes, Manifest, TensorDesc, add_checksums, plan_layout
+from .manifest import Bytes, Manifest, TensorDesc, TensorSpec, add_checksums, plan_layout
 
 log = logging.getLogger(__name__)
 _DEFAULTS = CkptConfig()
@@ -134,6 +137,7 @@ class SnapshotStats:
     last_copy_seconds: float = 0.0
     last_bytes: int = 0
     wait_seconds: float = 0.0
+    claim_wait_seconds: float = 0.0  # resident state waiting for a reader of its next buffer
     copied_while_waiting: int = 0   # tensors copied by ``wait_ready``'s threads
 
 
@@ -217,6 +221,15 @@ class _Job:
                 self.copied.set()
 
 
+@dataclass(frozen=True)
+class _Claim:
+    """A buffer claimed for the next snapshot, with the layout it was claimed for."""
+
+    slot: Slot
+    specs: tuple[TensorSpec, ...]
+    buffer: Bytes
+
+
 class DualBufferSnapshotter:
     """Snapshots of one rank: one background copy at a time, newest complete wins.
 
@@ -244,13 +257,46 @@ class DualBufferSnapshotter:
         self._worker_nice = worker_nice
         self._help_in_wait = help_in_wait
         self._job: _Job | None = None
+        self._claimed: _Claim | None = None
+
+    def claim(self, descs: Sequence[TensorDesc], wait: float) -> tuple[tuple[TensorSpec, ...], Bytes]:
+        """The layout and buffer the next ``start`` fills, claimed now so that an
+        optimizer can write the new state straight into it (``resident.py``).
+
+        Waits up to ``wait`` seconds for a reader of that buffer. Claimed again
+        before ``start`` (a step without a snapshot), it is the same buffer: it
+        holds the live state, which is then updated in place.
+        """
+        if self._claimed is not None:
+            return self._claimed.specs, self._claimed.buffer
+        self.wait_complete()
+        specs, total = plan_layout(descs)
+        started = time.perf_counter()
+        slot = self.buffers.begin(total, wait)
+        self.stats.claim_wait_seconds += time.perf_counter() - started
+        if slot is None:
+            raise SnapshotFailedError(f"the snapshot buffer the optimizer step must write was "
+                                      f"still being read after {wait} s", rank=self.rank)
+        assert slot.buffer is not None
+        self._claimed = _Claim(slot, specs, slot.buffer)
+        return specs, slot.buffer
 
     def start(self, step: int, source: StateSource) -> bool:
         """Begin the snapshot of ``step``; False if skipped (its buffer is being read)."""
         self.wait_complete()
         descs = list(source.describe())
         specs, total = plan_layout(descs)
-        slot = self.buffers.begin(total)
+        claim, self._claimed = self._claimed, None
+        slot: Slot | None
+        if claim is not None:
+            slot = claim.slot
+            if specs != claim.specs:
+                self._end(slot, None)
+                raise ValueError(f"snapshot of step {step}: the state is laid out otherwise than "
+                                 f"when its buffer was claimed (the optimizer wrote into that "
+                                 f"layout); build sources the way the claim did")
+        else:
+            slot = self.buffers.begin(total)
         if slot is None:
             self.stats.skipped += 1
             log.debug("snapshot of step %d skipped: the buffer to reuse is being read", step)

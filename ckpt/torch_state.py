@@ -117,6 +117,8 @@ class TorchStateSource:
     def copy_into(self, index: int, dest: Bytes) -> None:
         tensor = self._tensors[index]
         if not tensor.is_cuda:
+            if tensor.is_contiguous() and tensor.data_ptr() == dest.ctypes.data:
+                return  # resident: the optimizer step already wrote it here (resident.py)
             # numpy: one thread, GIL released. torch's copy_ would start a second
             # OpenMP team in this thread and fight the training thread's for the cores.
             source = _as_numpy_words(tensor)

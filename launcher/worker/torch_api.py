@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from ckpt.manifest import Bytes, Manifest
+from ckpt.resident import Residency, ResidentAdam
+from ckpt.snapshot import DualBufferSnapshotter
 from ckpt.torch_state import TorchStateSource, load_train_state
 from ftcore.config import Config, load_config
 
@@ -33,7 +35,10 @@ from .manager import Manager
 
 class TorchTrainState:
     """Gradients of a model as one flat float32 buffer; the optimizer step with a
-    scaled learning rate; snapshots and loading through ``ckpt.torch_state``."""
+    scaled learning rate; snapshots and loading through ``ckpt.torch_state``.
+
+    With a ``ckpt.resident.ResidentAdam`` optimizer the parameters and moments
+    live in the snapshot buffers (no copy per step, see ``ckpt/resident.py``)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
@@ -43,6 +48,11 @@ class TorchTrainState:
             raise TypeError("TorchTrainState handles float32 parameters; cast the model")
         self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.residency: Residency | None = None
+
+    def bind_snapshots(self, snapshots: DualBufferSnapshotter, wait: float) -> None:
+        if isinstance(self.optimizer, ResidentAdam):
+            self.residency = Residency(self.model, self.optimizer, snapshots, wait=wait)
 
     def gradients(self) -> np.ndarray:
         offset = 0
@@ -78,9 +88,13 @@ class TorchTrainState:
         self.optimizer.zero_grad(set_to_none=True)
 
     def snapshot_source(self, step: int, loader_state: Mapping[str, Any]) -> TorchStateSource:
+        if self.residency is not None:
+            return self.residency.source(step, loader_state)
         return TorchStateSource(self.model, self.optimizer, step=step, loader_state=loader_state)
 
     def load(self, manifest: Manifest, buffer: Bytes) -> Mapping[str, Any]:
+        if self.residency is not None:
+            self.residency.release()  # loading must not write into a snapshot
         return load_train_state(manifest, buffer, self.model, self.optimizer).loader_state
 
 

@@ -56,3 +56,22 @@ def test_backup_cost_reports_the_summary_keys() -> None:
     assert 0 < summary["backup_sent_per_snapshot"] <= 1
     assert backup["failed"] == 0
     assert bench.backup_summary(None) == {}
+
+
+def test_the_resident_variant_trains_its_own_trainer_against_the_torch_baseline() -> None:
+    baseline = tiny_trainer()
+    resident = bench.Trainer(width=16, layers=2, batch=4, resident=True)
+    snapshotter = DualBufferSnapshotter(worker_nice=0)
+    bench.Residency(resident.model, resident.optimizer, snapshotter)
+    before = baseline.step_index
+    overhead = bench.snapshot_overhead(baseline, {bench.RESIDENT: snapshotter}, pairs=1,
+                                       steps=1, max_foreign=1.0, max_rounds=1,
+                                       trainers={bench.RESIDENT: resident})
+    # Plain runs train the torch baseline, the snapshot run the resident trainer.
+    assert baseline.step_index == before + 2 * 2
+    assert snapshotter.latest_step() == resident.step_index == 2
+    assert overhead["variants"][bench.RESIDENT]["all"]["n"] == 1
+    first = next(resident.model.parameters())
+    with snapshotter.lease() as snap:
+        start = snap.buffer.ctypes.data
+        assert start <= first.data_ptr() < start + snap.buffer.nbytes  # resident, not copied

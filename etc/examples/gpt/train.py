@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import Corpus, replica_sample_ids
 from model import Gpt, GptConfig
 
+from ckpt.resident import ResidentAdamW
 from ftcore.logs import configure_logging
 from launcher.worker.protocol import StepKind
 from launcher.worker.torch_api import ft_manager
@@ -56,6 +57,9 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--optimizer", choices=("resident-adamw", "adamw"),
+                        default="resident-adamw",
+                        help="AdamW with its state in the snapshot buffers (default), or torch's")
     parser.add_argument("--code-tag", default="",
                         help="a label for this code version, kept in the final record")
     args = parser.parse_args()
@@ -66,7 +70,10 @@ def main() -> int:
     size = SIZES[args.size]
     corpus = Corpus(context=size["context"])
     model = Gpt(GptConfig(vocab_size=corpus.vocab_size, **size))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # The same numbers either way; resident-adamw keeps its state in the snapshot
+    # buffers, so a snapshot every step copies nothing big (ckpt/resident.py).
+    optimizer = (ResidentAdamW(model.parameters(), lr=args.lr) if args.optimizer == "resident-adamw"
+                 else torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False))
     manager = ft_manager(model, optimizer, batch_size=args.batch_size)
     me = manager.identity
     loss_value = float("nan")
