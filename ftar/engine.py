@@ -265,6 +265,14 @@ class RingEngine:
             self.fail(FtarUsageError(f"local error while sending: {exc!r}",
                                      quorum_id=self.position.quorum_id, step=self._step))
 
+    def member_lost(self, member: int, detail: str) -> None:
+        """Ring member ``member`` was reported lost by another source (the quorum's
+        heartbeats): fail now rather than after ``timeout`` of silence. Thread safe."""
+        position = self.position
+        self.fail(PeerFailedError(FailureKind.LOST, peer_index=member,
+                                  peer_address=position.address_of(member),
+                                  quorum_id=position.quorum_id, step=self._step, detail=detail))
+
     def fail(self, error: FtError) -> None:
         """Record the first failure, tell both neighbours who failed, wake everyone."""
         with self._lock:

@@ -31,6 +31,7 @@ class FailureKind(enum.Enum):
     CONNECT_FAILED = "could not be connected"
     NOT_CONNECTED = "did not connect"
     ABORTED = "aborted the operation"       # a local error there (it reported it)
+    LOST = "was reported lost by the quorum"  # silent to the quorum's heartbeats
 
     @property
     def code(self) -> int:

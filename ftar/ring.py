@@ -9,7 +9,8 @@ ring of a quorum, and ``allreduce`` reduces an array in place::
     group.allreduce(grads, op=ReduceOp.AVG, contributes=not catching_up, step=step)
 
 Failure contract: a dead, silent or disconnecting neighbour raises
-``PeerFailedError`` (recoverable) once it has been silent for ``timeout``; the
+``PeerFailedError`` (recoverable) once it has been silent for ``timeout``, or at
+once when ``member_lost`` names a member (the quorum noticed first); the
 ring is then broken and every later call raises the same error until
 ``reconfigure``. A mismatch between members or a local fault raises
 ``FtarUsageError`` (fatal). The array's content is undefined after an error.
@@ -210,6 +211,19 @@ class FtarGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def member_lost(self, quorum_id: int, index: int, detail: str) -> bool:
+        """Member ``index`` of quorum ``quorum_id``'s ring was reported lost (by the
+        quorum's heartbeats): the running or next operation raises ``PeerFailedError``
+        now instead of after ``timeout`` of silence, and the neighbours are told.
+        Thread safe. False if that ring is no longer the current one, or ``index``
+        is this member."""
+        engine = self._engine
+        if (engine is None or engine.position.quorum_id != quorum_id
+                or index == engine.position.index or not 0 <= index < engine.position.size):
+            return False
+        engine.member_lost(index, detail)
+        return True
 
     # ------------------------------------------------------------------ data plane
 

@@ -197,6 +197,9 @@ def become_leader(s: QuorumState, now: float) -> Outcome:
                        majority_lost=False)
     s = evolve(s, election=election, heard=heard)
     leadership = Leadership(live=s.fresh(now), last_formed=s.leadership.last_formed)
+    if e.previous_leader is not None and e.previous_leader not in leadership.live:
+        # Its followers learn it from this leader's suspects; its own replica here.
+        actions.append(NotifyLivenessChanged((e.previous_leader,), ()))
     return evolve(s, leadership=leadership), actions
 
 
@@ -225,7 +228,13 @@ def on_heartbeat(s: QuorumState, sender: int, msg: Heartbeat, now: float) -> Out
     e = s.election
     if e.leader_id != sender:
         return s, actions  # stale heartbeat, already answered with our term
-    election = evolve(e, suspects=frozenset(msg.suspects))
+    suspects = frozenset(msg.suspects)
+    if suspects != e.suspects:
+        # Followers learn of a lost member from the leader's heartbeats: a replica
+        # in an all-reduce with it stops waiting for it (worker ``Manager``).
+        actions.append(NotifyLivenessChanged(tuple(sorted(suspects - e.suspects)),
+                                             tuple(sorted(e.suspects - suspects))))
+    election = evolve(e, suspects=suspects)
     if new_leader or now - e.acked_at >= s.params.ack_interval:
         election = evolve(election, acked_at=now)
         actions.append(Send((sender,), HeartbeatAcked(e.term)))

@@ -59,7 +59,8 @@ class QuorumJoined(Event):
 @dataclass(frozen=True)
 class MembersLivenessChanged(Event):
     """The leader stopped (``lost``) or started again (``recovered``) hearing
-    from these replicas within ``member_timeout``."""
+    from these replicas within ``member_timeout`` (``replica_id`` learnt it as
+    leader, or from the leader's heartbeats)."""
 
     replica_id: int
     lost: list[int]

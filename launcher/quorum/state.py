@@ -116,7 +116,8 @@ class NotifyQuorumFormed:
 
 @dataclass(frozen=True)
 class NotifyLivenessChanged:
-    """The leader's view of which members are alive changed."""
+    """Which members are alive changed: the leader's own view, or at a follower
+    the suspects the leader's heartbeats carry."""
 
     lost: tuple[int, ...]
     recovered: tuple[int, ...]

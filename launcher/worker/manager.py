@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,7 +41,8 @@ from ftar import FtarGroup, ReduceOp
 from ftcore.config import Config
 from ftcore.errors import FtError, RecoverableError
 from ftcore.events import EventLog
-from launcher.quorum import FileDirectory, QuorumAgent
+from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent
+from launcher.quorum.events import Event as QuorumEvent
 
 from .events import StepCommitted, StepDiscarded, WorkerStarted
 from .faults import FaultInjector, FaultPoint
@@ -110,6 +112,7 @@ class Manager:
                                      directory, identity.secret, config.quorum,
                                      job_id=identity.job_id, host=identity.host,
                                      event_log=self.events).start()
+            self.agent.subscribe(self._on_quorum_event)
         self._quorum_id: int | None = None
         self._plan: StepPlan | None = None
         self._catch_up: Any = None
@@ -278,6 +281,24 @@ class Manager:
         if (plan is not None and self._in_gradient_allreduce
                 and transfer.ring_step == len(plan.ring) - 2):
             self.faults.check(FaultPoint.MID_ALLREDUCE, plan.step)
+
+    def _on_quorum_event(self, event: QuorumEvent) -> None:
+        """On the quorum's loop thread. A replica the quorum lost (its heartbeats
+        stopped) that is in this step's ring fails the all-reduce now: a hung or
+        unplugged replica sends no FIN, and the ring alone would wait ``ftar.timeout``.
+        Only rank 0 runs the agent: the other ranks of a multi-rank replica still
+        wait for their own ring's timeout."""
+        plan = self._plan
+        if not isinstance(event, MembersLivenessChanged) or plan is None:
+            return
+        for replica in event.lost:
+            if replica != self.identity.replica_id and replica in plan.members:
+                detail = (f"replica {replica} silent for "
+                          f"{self.config.quorum.member_timeout:g} s")
+                # Off the loop thread: telling the neighbours may wait for a frame boundary.
+                threading.Thread(target=self.ftar.member_lost, name="ftar-member-lost",
+                                 args=(plan.quorum_id, plan.members.index(replica), detail),
+                                 daemon=True).start()
 
     def _await_catch_up(self) -> Any:
         if self._catch_up is None or self._error is not None:

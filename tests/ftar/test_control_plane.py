@@ -24,6 +24,7 @@ from ftar import (
     ReduceOp,
     StaleQuorumError,
 )
+from ftar.errors import FailureKind
 from ftar.transport import Hello, connect
 from ftcore.config import FtarConfig
 from ftcore.ids import new_job_secret
@@ -163,6 +164,42 @@ def test_several_sockets_per_peer_split_the_chunks() -> None:
         stats = groups[0].stats()
         assert stats.inflight_limit_bytes == 2 * 4096          # 4 in flight over 2 sockets
         assert 0 < stats.max_inflight_bytes <= stats.inflight_limit_bytes
+    finally:
+        for group in groups:
+            group.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_member_the_quorum_reports_lost_fails_the_operation_at_once() -> None:
+    config = FtarConfig(chunk_bytes=4096, timeout=30.0, connect_timeout=2.0)
+    groups = [FtarGroup(config, SECRET) for _ in range(3)]
+    try:
+        _form(groups, quorum_id=4)
+        # Member 2 never calls allreduce, as silent as a hung process: without the
+        # quorum's report the others would wait the whole 30 s timeout.
+        failed: dict[int, tuple[PeerFailedError, float]] = {}
+
+        def reduce(i: int) -> None:
+            try:
+                groups[i].allreduce(np.ones(50_000, np.float32), step=9)
+            except PeerFailedError as exc:
+                failed[i] = (exc, time.monotonic())
+        threads = [threading.Thread(target=reduce, args=(i,)) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        assert not groups[0].member_lost(3, 2, "an older quorum's ring")
+        assert not groups[0].member_lost(4, 0, "this member itself")
+        reported = time.monotonic()
+        assert groups[0].member_lost(4, 2, "replica 2 silent for 3 s")
+        for thread in threads:
+            thread.join(20)
+        assert set(failed) == {0, 1}
+        for exc, at in failed.values():
+            # member 1 learns it from member 0's abort notice, naming the same member
+            assert (exc.kind, exc.peer_index) == (FailureKind.LOST, 2), exc
+            assert at - reported < 10, f"took {at - reported:.1f} s"
+        assert "reported lost by the quorum" in str(failed[0][0])
+        assert groups[0].state is GroupState.BROKEN
     finally:
         for group in groups:
             group.close()

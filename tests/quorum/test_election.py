@@ -131,12 +131,23 @@ def test_new_leader_presumes_alive_all_but_the_silent_leader_and_suspects() -> N
     state, _ = run(state, [got(0, Heartbeat(TERM, suspects=(4,)))], now=NOW)
     at = state.election.deadline
     state, _ = tick(state, at)
-    state, _ = run(state, [got(2, VoteAnswered(TERM + 1, True, True)),
-                           got(3, VoteAnswered(TERM + 1, True, True)),
-                           got(2, VoteAnswered(TERM + 1, True)),
-                           got(3, VoteAnswered(TERM + 1, True))], now=at)
+    state, actions = run(state, [got(2, VoteAnswered(TERM + 1, True, True)),
+                                 got(3, VoteAnswered(TERM + 1, True, True)),
+                                 got(2, VoteAnswered(TERM + 1, True)),
+                                 got(3, VoteAnswered(TERM + 1, True))], now=at)
     assert state.role is Role.LEADER
     assert state.leadership.live == frozenset({1, 2, 3})
+    # The silent leader is lost to this replica too (4 was reported on the heartbeat).
+    assert NotifyLivenessChanged((0,), ()) in actions
+
+
+def test_a_follower_reports_the_suspects_the_leader_announces_when_they_change() -> None:
+    state, actions = run(follower(), [got(0, Heartbeat(TERM, suspects=(3, 4)))], now=NOW)
+    assert NotifyLivenessChanged((3, 4), ()) in actions
+    state, actions = run(state, [got(0, Heartbeat(TERM, suspects=(3, 4)))], now=NOW + 0.1)
+    assert not [a for a in actions if isinstance(a, NotifyLivenessChanged)]
+    state, actions = run(state, [got(0, Heartbeat(TERM, suspects=(4,)))], now=NOW + 0.2)
+    assert NotifyLivenessChanged((), (3,)) in actions
 
 
 def test_a_higher_term_deposes_the_leader() -> None:

@@ -24,10 +24,12 @@ BATCH = 8
 
 
 def loopback_job(run_dir: Path, replicas: int, steps: int, size: str = "tiny",
-                 ranks: int = 1) -> LocalJob:
+                 ranks: int = 1, **config: str) -> LocalJob:
+    """``config``: FTL_* settings over ``TEST_CONFIG``."""
     return LocalJob(run_dir, replicas,
                     [sys.executable, str(TRAIN), "--steps", str(steps), "--size", size,
-                     "--batch-size", str(BATCH), "--threads", "1"], TEST_CONFIG, ranks=ranks)
+                     "--batch-size", str(BATCH), "--threads", "1"], {**TEST_CONFIG, **config},
+                    ranks=ranks)
 
 
 def check_run(job: LocalJob, steps: int) -> list[int]:

@@ -107,17 +107,36 @@ def test_two_replicas_fail_at_once(tmp_path):
     assert max_gap(job.events(0)) < STALL_BOUND_S
 
 
-def test_hung_replica_is_dropped_then_rejoins(tmp_path):
-    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN)
-    job.start_all({2: "stop@after_commit:10"})
+def hang_resume_and_finish(job: LocalJob, point: str, last_committed: int) -> None:
+    """Replica 2 stops (SIGSTOP) at ``point`` of step 10; the others go on; it resumes."""
+    job.start_all({2: f"stop@{point}:10"})
     try:
         wait_until(lambda: job.last_committed_step(0) >= 20, 120,
                    "the others to go on without the hung replica")
-        assert job.last_committed_step(2) == 10
+        assert job.last_committed_step(2) == last_committed
         job.current(2).send_signal(signal.SIGCONT)
         finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
+
+
+def test_a_replica_hung_mid_allreduce_is_dropped_within_the_quorum_timeout(tmp_path):
+    """SIGSTOP inside the gradient all-reduce: no FIN reaches the ring. The quorum's
+    heartbeats notice (member timeout 1 s) and the survivors' ring fails at once,
+    far inside an FTAR timeout of 60 s."""
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, FTL_FTAR_TIMEOUT="60")
+    hang_resume_and_finish(job, "mid_allreduce", last_committed=9)
+    assert all(max_gap(job.events(healthy)) < STALL_BOUND_S for healthy in (0, 1))
+    # A survivor whose ring still needed the hung replica's frames gave up on the
+    # quorum's word (the other may have had them all and committed).
+    discarded = [e for healthy in (0, 1) for e in job.events(healthy)
+                 if type(e).__name__ == "StepDiscarded"]
+    assert any("reported lost by the quorum" in e.reason for e in discarded), discarded
+
+
+def test_hung_replica_is_dropped_then_rejoins(tmp_path):
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN)
+    hang_resume_and_finish(job, "after_commit", last_committed=10)
     assert any(e.caught_up for e in job.committed(2))
     assert max_gap(job.events(0)) < STALL_BOUND_S
 
