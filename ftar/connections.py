@@ -14,12 +14,13 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ftcore.config import FtarConfig
 
 from .errors import FailureKind, PeerFailedError
-from .transport import Address, Hello, Listener, Verdict, connect
+from .transport import Address, Hello, Listener, Purpose, Verdict, connect
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,12 @@ ParkKey = tuple[int, int, int]  # (quorum id, from member, socket index)
 class Connector:
     """Listener plus the connections waiting to be adopted by a ring."""
 
-    def __init__(self, config: FtarConfig, secret: str, host: str) -> None:
+    def __init__(self, config: FtarConfig, secret: str, host: str,
+                 on_member_lost: Callable[[int, int], None] = lambda quorum_id, member: None
+                 ) -> None:
         self._config = config
         self._secret = secret
+        self._on_member_lost = on_member_lost
         self._cv = threading.Condition()
         self._position: RingPosition | None = None
         self._parked: dict[ParkKey, socket.socket] = {}
@@ -80,6 +84,10 @@ class Connector:
             current = position.quorum_id if position else 0
             if self._closed:
                 return Verdict.CLOSING, current
+            if hello.purpose is Purpose.MEMBER_LOST:
+                # Only about the ring this member is in: an older one is gone anyway.
+                return (Verdict.ACCEPTED if position and hello.quorum_id == current
+                        else Verdict.STALE_QUORUM), current
             if (hello.chunk_bytes, hello.chunks_in_flight, hello.sockets) != (
                     config.chunk_bytes, config.chunks_in_flight, config.sockets_per_peer):
                 return Verdict.CONFIG_MISMATCH, current
@@ -92,6 +100,10 @@ class Connector:
             return Verdict.ACCEPTED, current
 
     def _deliver(self, hello: Hello, sock: socket.socket) -> None:
+        if hello.purpose is Purpose.MEMBER_LOST:
+            sock.close()
+            self._on_member_lost(hello.quorum_id, hello.to_index)
+            return
         key = (hello.quorum_id, hello.from_index, hello.socket_index)
         with self._cv:
             position = self._position

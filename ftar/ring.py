@@ -35,7 +35,7 @@ from .engine import Combiner, HostCombiner, Operation, ProgressHook, ReduceOp, R
 from .errors import FtarUsageError
 from .link import LinkStats
 from .schedule import member_program, plan_ring
-from .transport import Address
+from .transport import Address, Hello, Purpose, connect
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,12 @@ class FtarGroup:
         if problems:
             raise FtarUsageError(f"bad [ftar] config: {problems}")
         self.config = config
+        self._secret = secret
         self._reduce_bytes = config.reduce_bytes
         self._min_chunk_bytes = config.min_chunk_bytes
         self._socket_buffer_bytes = config.socket_buffer_bytes
         self._progress_hook = progress_hook
-        self._connector = Connector(config, secret, host)
+        self._connector = Connector(config, secret, host, on_member_lost=self._relayed_lost)
         # Receive buffers, allocated once: chunks_in_flight slots of chunk_bytes.
         self._slots = np.empty((config.chunks_in_flight, config.chunk_bytes), np.uint8)
         self._kernels: dict[ElementType, HostKernels] = {}
@@ -224,6 +225,17 @@ class FtarGroup:
             return False
         engine.member_lost(index, detail)
         return True
+
+    def relay_member_lost(self, address: Address, quorum_id: int, index: int) -> None:
+        """Tell the member listening at ``address`` (another rank of this replica, in
+        its own ring of ``quorum_id``) that member ``index`` is lost: an authenticated
+        notice on its FTAR listener, within ``connect_timeout``. Raises
+        ``StaleQuorumError`` if it is in another quorum, ``OSError`` if unreachable."""
+        notice = Hello(quorum_id, 0, index, 0, 0, 0, 0, purpose=Purpose.MEMBER_LOST)
+        connect(address, self._secret, notice, self.config.connect_timeout).close()
+
+    def _relayed_lost(self, quorum_id: int, index: int) -> None:
+        self.member_lost(quorum_id, index, "relayed by rank 0 of this replica")
 
     # ------------------------------------------------------------------ data plane
 

@@ -47,6 +47,13 @@ _TIMEVAL = struct.Struct("@ll")
 Address = tuple[str, int]
 
 
+class Purpose(enum.IntEnum):
+    """Why a client connects (wire codes: do not renumber)."""
+
+    RING = 0          # a data connection to its right neighbour
+    MEMBER_LOST = 1   # a notice: member ``to_index`` of the ring of ``quorum_id`` is lost
+
+
 class Verdict(enum.IntEnum):
     """The server's answer to a HELLO (wire codes: do not renumber)."""
 
@@ -60,7 +67,8 @@ class Verdict(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Hello:
-    """Who is connecting, for which quorum and ring position, with which plan."""
+    """Who is connecting, for which quorum and ring position, with which plan
+    (``purpose`` MEMBER_LOST: a notice naming the lost member in ``to_index``)."""
 
     quorum_id: int
     from_index: int
@@ -69,21 +77,22 @@ class Hello:
     sockets: int
     chunk_bytes: int
     chunks_in_flight: int
+    purpose: Purpose = Purpose.RING
 
     def pack(self, nonce: bytes) -> bytes:
-        return _HELLO.pack(MAGIC, VERSION, 0, self.quorum_id, self.from_index,
+        return _HELLO.pack(MAGIC, VERSION, self.purpose, self.quorum_id, self.from_index,
                            self.to_index, self.socket_index, self.sockets,
                            self.chunk_bytes, self.chunks_in_flight, nonce)
 
     @staticmethod
     def unpack(data: bytes) -> Hello:
-        (magic, version, _, quorum_id, from_index, to_index, socket_index, sockets,
+        (magic, version, purpose, quorum_id, from_index, to_index, socket_index, sockets,
          chunk_bytes, chunks_in_flight, _nonce) = _HELLO.unpack(data)
         if magic != MAGIC or version != VERSION:
             raise ValueError(f"not an FTAR v{VERSION} hello (magic {magic!r}, "
                              f"version {version})")
         return Hello(quorum_id, from_index, to_index, socket_index, sockets, chunk_bytes,
-                     chunks_in_flight)
+                     chunks_in_flight, Purpose(purpose))
 
 
 Judge = Callable[[Hello], tuple[Verdict, int]]

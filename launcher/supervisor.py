@@ -28,6 +28,7 @@ from ftcore.slurm.states import Disposition, node_disposition
 
 from . import recovery as rc
 from . import versions as cv
+from .drain_request import job_comment, write_request
 from .events import (
     EventTail,
     FullRestartOrdered,
@@ -38,7 +39,6 @@ from .events import (
     RunFinished,
     StandbyPromoted,
 )
-from .drain_request import job_comment, write_request
 from .inspection import NodeInspection
 from .plan import LaunchPlan, replica_step_spec
 from .pool import ReservationPool

@@ -285,20 +285,30 @@ class Manager:
     def _on_quorum_event(self, event: QuorumEvent) -> None:
         """On the quorum's loop thread. A replica the quorum lost (its heartbeats
         stopped) that is in this step's ring fails the all-reduce now: a hung or
-        unplugged replica sends no FIN, and the ring alone would wait ``ftar.timeout``.
-        Only rank 0 runs the agent: the other ranks of a multi-rank replica still
-        wait for their own ring's timeout."""
+        unplugged replica sends no FIN, and the ring alone would wait ``ftar.timeout``."""
         plan = self._plan
         if not isinstance(event, MembersLivenessChanged) or plan is None:
             return
         for replica in event.lost:
             if replica != self.identity.replica_id and replica in plan.members:
-                detail = (f"replica {replica} silent for "
-                          f"{self.config.quorum.member_timeout:g} s")
                 # Off the loop thread: telling the neighbours may wait for a frame boundary.
-                threading.Thread(target=self.ftar.member_lost, name="ftar-member-lost",
-                                 args=(plan.quorum_id, plan.members.index(replica), detail),
+                threading.Thread(target=self._fail_rings, name="ftar-member-lost",
+                                 args=(plan.quorum_id, plan.members.index(replica), replica),
                                  daemon=True).start()
+
+    def _fail_rings(self, quorum_id: int, index: int, replica: int) -> None:
+        """Fail this rank's ring, then relay to the other ranks of the replica (only
+        rank 0 hears the quorum); each rank's ring has the same member order."""
+        self.ftar.member_lost(quorum_id, index, f"replica {replica} silent for "
+                                                f"{self.config.quorum.member_timeout:g} s")
+        for rank, address in enumerate(self.endpoints.ftar):
+            if rank == self.identity.rank:
+                continue
+            try:
+                self.ftar.relay_member_lost(address, quorum_id, index)
+            except (FtError, OSError) as exc:  # it has moved on, or it is gone itself
+                log.info("rank %d did not take the notice that replica %d is lost: %s",
+                         rank, replica, exc)
 
     def _await_catch_up(self) -> Any:
         if self._catch_up is None or self._error is not None:

@@ -28,6 +28,7 @@ from ftar.errors import FailureKind
 from ftar.transport import Hello, connect
 from ftcore.config import FtarConfig
 from ftcore.ids import new_job_secret
+from tests.waiting import wait_until
 
 CONFIG = FtarConfig(chunk_bytes=4096, timeout=5.0, connect_timeout=1.0)
 SECRET = new_job_secret()
@@ -203,3 +204,28 @@ def test_a_member_the_quorum_reports_lost_fails_the_operation_at_once() -> None:
     finally:
         for group in groups:
             group.close()
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_relays_a_lost_member_to_the_ring_of_another_rank(
+        groups: list[FtarGroup]) -> None:
+    """Only rank 0 hears the quorum: it relays the loss to the other ranks of its
+    replica over their FTAR listeners (authenticated, about their current ring only)."""
+    _form(groups, quorum_id=6)
+    rank0 = FtarGroup(CONFIG, SECRET)
+    try:
+        target = groups[0].address
+        with pytest.raises(StaleQuorumError):
+            rank0.relay_member_lost(target, quorum_id=5, index=1)
+        assert groups[0].state is GroupState.READY
+        with FtarGroup(CONFIG, new_job_secret()) as stranger, \
+                pytest.raises(AuthenticationError):
+            stranger.relay_member_lost(target, quorum_id=6, index=1)
+        assert groups[0].state is GroupState.READY
+        rank0.relay_member_lost(target, quorum_id=6, index=1)
+        # The verdict returns before the listener has acted on the notice.
+        wait_until(lambda: groups[0].state is GroupState.BROKEN, 10, "the ring to break")
+        with pytest.raises(PeerFailedError, match="reported lost by the quorum.*relayed"):
+            groups[0].allreduce(np.ones(10, np.float32))
+    finally:
+        rank0.close()

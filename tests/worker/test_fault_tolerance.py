@@ -114,17 +114,20 @@ def hang_resume_and_finish(job: LocalJob, point: str, last_committed: int) -> No
         wait_until(lambda: job.last_committed_step(0) >= 20, 120,
                    "the others to go on without the hung replica")
         assert job.last_committed_step(2) == last_committed
-        job.current(2).send_signal(signal.SIGCONT)
+        for rank in job.procs[2][-1]:
+            rank.send_signal(signal.SIGCONT)
         finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
 
 
-def test_a_replica_hung_mid_allreduce_is_dropped_within_the_quorum_timeout(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_replica_hung_mid_allreduce_is_dropped_within_the_quorum_timeout(tmp_path, ranks):
     """SIGSTOP inside the gradient all-reduce: no FIN reaches the ring. The quorum's
-    heartbeats notice (member timeout 1 s) and the survivors' ring fails at once,
-    far inside an FTAR timeout of 60 s."""
-    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, FTL_FTAR_TIMEOUT="60")
+    heartbeats notice (member timeout 1 s) and the survivors' rings fail at once,
+    far inside an FTAR timeout of 60 s (with 2 ranks, rank 0 relays it to rank 1)."""
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, ranks=ranks,
+                       FTL_FTAR_TIMEOUT="60")
     hang_resume_and_finish(job, "mid_allreduce", last_committed=9)
     assert all(max_gap(job.events(healthy)) < STALL_BOUND_S for healthy in (0, 1))
     # A survivor whose ring still needed the hung replica's frames gave up on the
