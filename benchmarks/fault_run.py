@@ -1,8 +1,10 @@
 """Fault run (not a test): the GPT example with 3 replicas on loopback, one replica
 SIGKILLed at a step in the middle and restarted, against a fault-free run of the
-same length.
+same length; or (``--fault hang``) one replica SIGSTOPped inside the gradient
+all-reduce and resumed later, with and without ``runtime.drop_lost_members``.
 
-    python benchmarks/fault_run.py [--steps 80] [--kill-step 25] [--size small] [--json F]
+    python benchmarks/fault_run.py [--fault kill|hang] [--steps 80] [--kill-step 25]
+                                   [--size small] [--json F]
 
 Prints and writes ``{"summary": {"identical_final_state", "samples_exactly_once",
 "max_healthy_stall_s", "rejoin_s", "step_time_s", "final_loss",
@@ -13,6 +15,13 @@ Prints and writes ``{"summary": {"identical_final_state", "samples_exactly_once"
 * ``rejoin_s``: from the restart of the killed replica's process to its first
   committed step (process start, imports, quorum join, state fetch);
 * ``step_time_s``: median gap between commits of the fault-free run.
+
+With ``--fault hang`` the quorum and FTAR timeouts are the defaults (member
+timeout 3 s, ftar.timeout 30 s) and the summary adds ``ring_timeout_only_stall_s``
+(the same hang with ``drop_lost_members = false``: the survivors' all-reduce
+waits for its own timeout, as a ring without a quorum's word would) and
+``stall_ratio`` (that over ``max_healthy_stall_s``). ``rejoin_s`` is then from the
+hung replica's resumption to its next commit.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -41,18 +51,34 @@ CONFIG = {
 }
 
 
-def run(run_dir: Path, args: argparse.Namespace, kill: bool) -> dict[str, object]:
+#: Production timeouts for the hang: what a hung peer costs is what they make it.
+HANG_CONFIG = {"FTL_CKPT_PERSIST_EVERY": "100000"}
+
+
+def run(run_dir: Path, args: argparse.Namespace, fault: str | None,
+        config: dict[str, str] | None = None) -> dict[str, object]:
+    """One run; ``fault``: None, "kill" (restart) or "hang" (SIGSTOP, then SIGCONT)."""
     command = [sys.executable, str(TRAIN), "--steps", str(args.steps), "--size", args.size,
                "--batch-size", str(args.batch_size), "--threads", "1"]
-    job = LocalJob(run_dir, args.replicas, command, CONFIG)
+    job = LocalJob(run_dir, args.replicas, command, config or CONFIG)
     victim = 1
-    job.start_all({victim: f"kill@after_commit:{args.kill_step}"} if kill else {})
+    point = {"kill": "kill@after_commit", "hang": "stop@mid_allreduce"}.get(fault or "")
+    job.start_all({victim: f"{point}:{args.kill_step}"} if point else {})
     restarted_at = None
     try:
-        if kill:
+        if fault == "kill":
             job.current(victim).wait(timeout=args.timeout)
             restarted_at = time.time()
             job.start(victim)
+        elif fault == "hang":
+            deadline = time.monotonic() + args.timeout
+            while job.last_committed_step(0) < args.kill_step + 10:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the survivors did not get past the hang; logs in {run_dir}")
+                time.sleep(0.2)  # polling a benchmark's progress, not synchronising a test
+            restarted_at = time.time()
+            for rank in job.procs[victim][-1]:
+                rank.send_signal(signal.SIGCONT)
         codes = job.wait_all(args.timeout)
     finally:
         job.stop_everything()
@@ -65,13 +91,16 @@ def run(run_dir: Path, args: argparse.Namespace, kill: bool) -> dict[str, object
     except AuditError as error:
         print(f"audit failed: {error}")
         exactly_once = False
-    healthy = [r for r in range(args.replicas) if not kill or r != victim]
+    healthy = [r for r in range(args.replicas) if not fault or r != victim]
     gaps = [b.time - a.time for r in healthy
             for a, b in itertools.pairwise(sorted(job.committed(r), key=lambda e: e.time))
             if a.step >= 1]
+    # A kill after the commit of kill_step stalls the next step; a hang inside
+    # kill_step's all-reduce stalls that step itself.
+    first_stalled = args.kill_step if fault == "hang" else args.kill_step + 1
     after_kill = [b.time - a.time for r in healthy
                   for a, b in itertools.pairwise(sorted(job.committed(r), key=lambda e: e.time))
-                  if a.step >= args.kill_step]
+                  if b.step >= first_stalled]
     result: dict[str, object] = {
         "identical_final_state": len({f["state_sha256"] for f in finals.values()}) == 1,
         "samples_exactly_once": exactly_once,
@@ -79,7 +108,7 @@ def run(run_dir: Path, args: argparse.Namespace, kill: bool) -> dict[str, object
         "step_time_s": statistics.median(gaps),
         "max_stall_s": max(after_kill or gaps),
     }
-    if kill and restarted_at is not None:
+    if fault and restarted_at is not None:
         rejoined = [e for e in job.committed(victim) if isinstance(e, StepCommitted)
                     and e.time > restarted_at]
         result["rejoin_s"] = min(e.time for e in rejoined) - restarted_at
@@ -89,6 +118,7 @@ def run(run_dir: Path, args: argparse.Namespace, kill: bool) -> dict[str, object
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fault", choices=["kill", "hang"], default="kill")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--kill-step", type=int, default=25)
     parser.add_argument("--replicas", type=int, default=3)
@@ -97,9 +127,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    hang = args.fault == "hang"
     with tempfile.TemporaryDirectory(prefix="ftl-fault-run-") as tmp:
-        baseline = run(Path(tmp) / "baseline", args, kill=False)
-        faulty = run(Path(tmp) / "fault", args, kill=True)
+        baseline = run(Path(tmp) / "baseline", args, None)
+        faulty = run(Path(tmp) / "fault", args, args.fault, HANG_CONFIG if hang else CONFIG)
+        ring_only = (run(Path(tmp) / "ring-only", args, "hang",
+                         {**HANG_CONFIG, "FTL_RUNTIME_DROP_LOST_MEMBERS": "false"})
+                     if hang else None)
     summary = {
         "identical_final_state": faulty["identical_final_state"],
         "samples_exactly_once": faulty["samples_exactly_once"],
@@ -110,8 +144,13 @@ def main() -> int:
         "baseline_final_loss": round(float(baseline["final_loss"]), 4),  # type: ignore[arg-type]
         "baseline_identical_final_state": baseline["identical_final_state"],
         "steps": args.steps, "kill_step": args.kill_step, "replicas": args.replicas,
-        "size": args.size,
+        "size": args.size, "fault": args.fault,
     }
+    if ring_only is not None:
+        stall = float(ring_only["max_stall_s"])  # type: ignore[arg-type]
+        summary["ring_timeout_only_stall_s"] = round(stall, 3)
+        summary["stall_ratio"] = round(stall / float(summary["max_healthy_stall_s"]), 1)  # type: ignore[arg-type]
+        summary["ring_timeout_only_identical_final_state"] = ring_only["identical_final_state"]
     width = max(map(len, summary))
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")

@@ -182,6 +182,9 @@ class RuntimeConfig:
 
     lr_scaling: LrScaling = LrScaling.SQRT
     max_consecutive_failures: int = 5
+    #: An all-reduce stops waiting for a replica the quorum reports lost (its
+    #: heartbeats stopped for quorum.member_timeout); off: only ftar.timeout ends it.
+    drop_lost_members: bool = True
 
     def problems(self) -> Iterable[tuple[str, str]]:
         if self.max_consecutive_failures < 1:

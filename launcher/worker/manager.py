@@ -112,7 +112,8 @@ class Manager:
                                      directory, identity.secret, config.quorum,
                                      job_id=identity.job_id, host=identity.host,
                                      event_log=self.events).start()
-            self.agent.subscribe(self._on_quorum_event)
+            if config.runtime.drop_lost_members:
+                self.agent.subscribe(self._on_quorum_event)
         self._quorum_id: int | None = None
         self._plan: StepPlan | None = None
         self._catch_up: Any = None
