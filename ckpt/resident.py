@@ -22,9 +22,10 @@ What changes for a user:
 
 * parameters must change only in ``optimizer.step()`` (or while the state is
   ``released``): an in-place edit elsewhere would edit a complete snapshot;
-* if a reader still holds the buffer the step must write (a fetch of the
-  previous snapshot), the step waits for it, at most ``wait`` seconds, instead
-  of skipping that snapshot;
+* if a reader still holds the buffer the step must write (a slow fetch of the
+  previous snapshot), the step waits for it up to ``wait`` seconds; then it
+  moves the state to private memory (``release``, one copy), updates it there,
+  and that step's snapshot is skipped, as a copying snapshot would skip it;
 * CPU parameters only: on CUDA the copy is already off the critical path.
 
 The numbers are those of ``torch.optim.Adam`` / ``AdamW`` (``foreach=False``):
@@ -39,8 +40,7 @@ from typing import Any
 
 import torch
 
-from ftcore.config import CkptConfig
-
+from .errors import SnapshotFailedError
 from .snapshot import DualBufferSnapshotter
 from .torch_state import MODEL, OPTIM, TorchStateSource, as_tensor
 
@@ -48,10 +48,12 @@ log = logging.getLogger(__name__)
 
 #: Where one parameter's step writes: (parameter, exp_avg, exp_avg_sq).
 Home = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-#: Called by the optimizer at each step: the homes of its parameters, in order.
-HomeFinder = Callable[[], Sequence[Home]]
+#: Called by the optimizer at each step: the homes of its parameters, in order
+#: (None: update in place this time).
+HomeFinder = Callable[[], Sequence[Home] | None]
 
-_DEFAULTS = CkptConfig()
+#: Seconds a step waits for a reader of the buffer it must write (then falls back).
+READER_WAIT = 1.0
 
 
 class ResidentAdam(torch.optim.Optimizer):
@@ -164,7 +166,7 @@ class Residency:
 
     def __init__(self, model: torch.nn.Module, optimizer: ResidentAdam,
                  snapshots: DualBufferSnapshotter, *, scheduler: Any = None, rng: bool = True,
-                 wait: float = _DEFAULTS.fetch_timeout) -> None:
+                 wait: float = READER_WAIT) -> None:
         self.model = model
         self.optimizer = optimizer
         self.snapshots = snapshots
@@ -201,11 +203,18 @@ class Residency:
                           f"{OPTIM}{index}/exp_avg_sq"))
         return names
 
-    def _claim_homes(self) -> list[Home]:
+    def _claim_homes(self) -> list[Home] | None:
         # The layout of a snapshot of this state: the step and loader state are
         # JSON meta, so any values describe the same tensors.
         descs = self.source(0).describe()
-        specs, buffer = self.snapshots.claim(descs, self.wait)
+        try:
+            specs, buffer = self.snapshots.claim(descs, self.wait)
+        except SnapshotFailedError as exc:
+            # Both buffers are taken (the live one, and the other by a reader): this
+            # step updates private memory, and its snapshot will be skipped.
+            log.warning("resident state: %s; this step runs in private memory", exc)
+            self.release()
+            return None
         by_name = {spec.name: spec for spec in specs}
 
         def view(name: str) -> torch.Tensor:

@@ -63,7 +63,7 @@ class TrainState(Protocol):
     def zero_gradients(self) -> None: ...
     def apply(self, lr_factor: float) -> None: ...        # the optimizer step
     def snapshot_source(self, step: int, loader_state: Mapping[str, Any]) -> StateSource: ...
-    def bind_snapshots(self, snapshots: DualBufferSnapshotter, wait: float) -> None: ...
+    def bind_snapshots(self, snapshots: DualBufferSnapshotter) -> None: ...
     def load(self, manifest: Manifest, buffer: Bytes) -> Mapping[str, Any]: ...
 
 
@@ -100,7 +100,7 @@ class Manager:
             ckpt_config, RankPlace(rank=identity.rank, world_size=identity.ranks,
                                    shard=identity.rank, shards=identity.ranks),
             secret=identity.secret, host=identity.host, persist=identity.replica_id == 0)
-        state.bind_snapshots(self.ckpt.snapshots, wait=ckpt_config.fetch_timeout)
+        state.bind_snapshots(self.ckpt.snapshots)
         mine = (self.ftar.address, (self.ckpt.address.host, self.ckpt.address.port))
         gathered = self.group.all_gather(mine)
         self.endpoints = ReplicaEndpoints(tuple(tuple(g[0]) for g in gathered),   # type: ignore[misc]

@@ -50,9 +50,9 @@ class TorchTrainState:
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.residency: Residency | None = None
 
-    def bind_snapshots(self, snapshots: DualBufferSnapshotter, wait: float) -> None:
+    def bind_snapshots(self, snapshots: DualBufferSnapshotter) -> None:
         if isinstance(self.optimizer, ResidentAdam):
-            self.residency = Residency(self.model, self.optimizer, snapshots, wait=wait)
+            self.residency = Residency(self.model, self.optimizer, snapshots)
 
     def gradients(self) -> np.ndarray:
         offset = 0
