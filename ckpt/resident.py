@@ -48,9 +48,8 @@ log = logging.getLogger(__name__)
 
 #: Where one parameter's step writes: (parameter, exp_avg, exp_avg_sq).
 Home = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-#: Called by the optimizer at each step: the homes of its parameters, in order
-#: (None: update in place this time).
-HomeFinder = Callable[[], Sequence[Home] | None]
+#: Called by the optimizer at each step: the homes of its parameters, in order.
+HomeFinder = Callable[[], Sequence[Home]]
 
 #: Seconds a step waits for a reader of the buffer it must write (then falls back).
 READER_WAIT = 1.0
@@ -191,6 +190,12 @@ class Residency:
             state["exp_avg"] = state["exp_avg"].clone()
             state["exp_avg_sq"] = state["exp_avg_sq"].clone()
 
+    def _where_they_are(self) -> list[Home]:
+        """Homes that are the tensors themselves: the step updates them in place."""
+        return [(p.detach(), self.optimizer.state[p]["exp_avg"],
+                 self.optimizer.state[p]["exp_avg_sq"])
+                for p in self.optimizer.params_in_order()]
+
     def _home_names(self) -> list[tuple[str, str, str]]:
         """For each parameter in optimizer order: its three names in a snapshot."""
         key_of = {id(t): key for key, t in self.model.state_dict(keep_vars=True).items()}
@@ -203,7 +208,7 @@ class Residency:
                           f"{OPTIM}{index}/exp_avg_sq"))
         return names
 
-    def _claim_homes(self) -> list[Home] | None:
+    def _claim_homes(self) -> list[Home]:
         # The layout of a snapshot of this state: the step and loader state are
         # JSON meta, so any values describe the same tensors.
         descs = self.source(0).describe()
@@ -214,7 +219,7 @@ class Residency:
             # step updates private memory, and its snapshot will be skipped.
             log.warning("resident state: %s; this step runs in private memory", exc)
             self.release()
-            return None
+            return self._where_they_are()
         by_name = {spec.name: spec for spec in specs}
 
         def view(name: str) -> torch.Tensor:
