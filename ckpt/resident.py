@@ -215,8 +215,8 @@ class Residency:
         try:
             specs, buffer = self.snapshots.claim(descs, self.wait)
         except SnapshotFailedError as exc:
-            # Both buffers are taken (the live one, and the other by a reader): this
-            # step updates private memory, and its snapshot will be skipped.
+            # The other buffer is still read and this one holds the newest snapshot:
+            # this step updates private memory, and its snapshot will be skipped.
             log.warning("resident state: %s; this step runs in private memory", exc)
             self.release()
             return self._where_they_are()
