@@ -8,7 +8,8 @@ A CPU training loop (~100M-parameter MLP + Adam) runs with and without a
 snapshot every step in interleaved runs, each snapshot run between two plain
 ones (plain: torch's Adam; ``resident``: ft's ResidentAdam, which writes each
 step's state into the snapshot buffer instead of having it copied; ``lazy``:
-torch's Adam and a copy in a background thread, the path for any optimizer); samples taken while other processes used the shared CPUs are set aside
+torch's Adam and a copy in a background thread, the path for any optimizer);
+samples taken while other processes used the shared CPUs are set aside
 (see ``snapshot_overhead``); the same again with each snapshot pushed to a
 backup peer (``backup_cost``). Then the same state is fetched over HTTP (against
 a raw-socket transfer of the same bytes), written to HDF5 (against

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import signal
 import statistics
 import sys
 import tempfile
@@ -77,8 +76,7 @@ def run(run_dir: Path, args: argparse.Namespace, fault: str | None,
                     raise SystemExit(f"the survivors did not get past the hang; logs in {run_dir}")
                 time.sleep(0.2)  # polling a benchmark's progress, not synchronising a test
             restarted_at = time.time()
-            for rank in job.procs[victim][-1]:
-                rank.send_signal(signal.SIGCONT)
+            job.resume(victim)
         codes = job.wait_all(args.timeout)
     finally:
         job.stop_everything()

@@ -227,7 +227,6 @@ class _Claim:
 
     slot: Slot
     specs: tuple[TensorSpec, ...]
-    buffer: Bytes
 
 
 class DualBufferSnapshotter:
@@ -267,19 +266,19 @@ class DualBufferSnapshotter:
         before ``start`` (a step without a snapshot), it is the same buffer: it
         holds the live state, which is then updated in place.
         """
-        if self._claimed is not None:
-            return self._claimed.specs, self._claimed.buffer
-        self.wait_complete()
-        specs, total = plan_layout(descs)
-        started = time.perf_counter()
-        slot = self.buffers.begin(total, wait)
-        self.stats.claim_wait_seconds += time.perf_counter() - started
-        if slot is None:
-            raise SnapshotFailedError(f"the snapshot buffer the optimizer step must write was "
-                                      f"still being read after {wait} s", rank=self.rank)
-        assert slot.buffer is not None
-        self._claimed = _Claim(slot, specs, slot.buffer)
-        return specs, slot.buffer
+        if self._claimed is None:
+            self.wait_complete()
+            specs, total = plan_layout(descs)
+            started = time.perf_counter()
+            slot = self.buffers.begin(total, wait)
+            self.stats.claim_wait_seconds += time.perf_counter() - started
+            if slot is None:
+                raise SnapshotFailedError(f"the snapshot buffer the optimizer step must write "
+                                          f"was still being read after {wait} s", rank=self.rank)
+            self._claimed = _Claim(slot, specs)
+        claim = self._claimed
+        assert claim.slot.buffer is not None  # a claimed slot is COPYING: its buffer exists
+        return claim.specs, claim.slot.buffer
 
     def start(self, step: int, source: StateSource) -> bool:
         """Begin the snapshot of ``step``; False if skipped (its buffer is being read)."""

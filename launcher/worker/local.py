@@ -76,6 +76,11 @@ class LocalJob:
         """Rank 0 of the replica's latest incarnation."""
         return self.procs[replica_id][-1][0]
 
+    def resume(self, replica_id: int) -> None:
+        """SIGCONT every rank of the replica's latest incarnation (after a ``stop`` fault)."""
+        for proc in self.procs[replica_id][-1]:
+            proc.send_signal(signal.SIGCONT)
+
     def wait_all(self, timeout: float) -> dict[int, int]:
         """Worst exit code of each replica's latest incarnation."""
         return {r: max((p.wait(timeout=timeout) for p in incarnations[-1]), key=abs)

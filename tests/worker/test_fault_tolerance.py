@@ -114,8 +114,7 @@ def hang_resume_and_finish(job: LocalJob, point: str, last_committed: int) -> No
         wait_until(lambda: job.last_committed_step(0) >= 20, 120,
                    "the others to go on without the hung replica")
         assert job.last_committed_step(2) == last_committed
-        for rank in job.procs[2][-1]:
-            rank.send_signal(signal.SIGCONT)
+        job.resume(2)
         finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
