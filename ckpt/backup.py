@@ -9,6 +9,7 @@ or fails verification leaves the previous backup as the newest complete one.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Collection
 
@@ -31,9 +32,11 @@ class BackupStore:
     """
 
     def __init__(self, *, accept_from: Collection[int] | None = None,
-                 allocator: Allocator = numpy_allocator) -> None:
+                 allocator: Allocator = numpy_allocator, max_bytes: int | None = None) -> None:
         self._accept = None if accept_from is None else frozenset(accept_from)
         self._allocator = allocator
+        #: The largest backup taken; a push claiming more is refused before allocating.
+        self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         self._lock = threading.Lock()
         self._by_rank: dict[int, DualBuffer] = {}
 
@@ -44,12 +47,26 @@ class BackupStore:
             raise NoCheckpointError(f"no backup of rank {source_rank} held here")
         return found
 
-    def receive(self, source_rank: int, manifest: Manifest,
-                read_into: Callable[[memoryview], None]) -> None:
-        """Read a pushed snapshot into the older buffer, verify it, make it the newest."""
+    def check(self, source_rank: int, manifest: Manifest | None = None) -> None:
+        """Refuse, before anything is read or allocated, a push this store must not take."""
         if self._accept is not None and source_rank not in self._accept:
             raise CheckpointCorruptError(
                 f"not the backup rank of rank {source_rank} (holding {sorted(self._accept)})")
+        if manifest is None:
+            return
+        if manifest.total_bytes > self.max_bytes:
+            raise CheckpointCorruptError(
+                f"backup of rank {source_rank} step {manifest.step} claims "
+                f"{manifest.total_bytes} bytes, more than the {self.max_bytes} this store "
+                f"takes (BackupStore max_bytes)")
+        if not manifest.checksummed:
+            raise CheckpointCorruptError(f"backup of rank {source_rank} step {manifest.step} "
+                                         f"has tensors without checksums")
+
+    def receive(self, source_rank: int, manifest: Manifest,
+                read_into: Callable[[memoryview], None]) -> None:
+        """Read a pushed snapshot into the older buffer, verify it, make it the newest."""
+        self.check(source_rank, manifest)
         dual = self._dual(source_rank)
         slot = dual.begin(manifest.total_bytes)
         if slot is None:
@@ -64,6 +81,10 @@ class BackupStore:
                     f"backup of rank {source_rank} step {manifest.step} failed verification: "
                     f"{', '.join(bad[:5])}")
         except BaseException:
+            # Keep no memory for a body that failed (cut short, not the signed one,
+            # corrupt): its sender must not leave a buffer behind. The next push
+            # allocates anew; the other slot still holds the newest good backup.
+            slot.buffer = None
             dual.fail(slot)
             raise
         dual.commit(slot, manifest)
@@ -75,6 +96,14 @@ class BackupStore:
                 self._by_rank[source_rank] = DualBuffer(
                     self._allocator, name=f"backup of rank {source_rank}")
             return self._by_rank[source_rank]
+
+
+def default_max_bytes() -> int:
+    """A quarter of physical memory: the store keeps two buffers per source rank."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError):
+        return 1 << 40  # no sysconf: no cap beyond the signed, checked claim
 
 
 class BackupSender:

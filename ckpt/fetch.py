@@ -24,7 +24,7 @@ from .errors import FetchError
 from .manifest import Bytes, Manifest, ManifestError, checksum
 from .wire import (
     AUTH_HEADER,
-    MANIFEST_BYTES_HEADER,
+    BodyClaim,
     Route,
     RouteKind,
     auth_token,
@@ -245,14 +245,16 @@ def push_backup(peer: Peer, secret: str, snapshot: Snapshot, *, source_rank: int
     route = Route(RouteKind.BACKUP_PUT, source_rank, snapshot.step)
     target = target_for(route)
     manifest = snapshot.manifest.to_json().encode()
+    view = snapshot.buffer.data[:snapshot.manifest.total_bytes]
+    # The token signs both digests, so no other body can be sent with it (~0.5 s/GB).
+    claim = BodyClaim.of_backup(manifest, view)
     conn = http.client.HTTPConnection(peer.host, peer.port, timeout=timeout)
     try:
         conn.putrequest("PUT", target, skip_accept_encoding=True)
-        conn.putheader(AUTH_HEADER, auth_token(secret, "PUT", target, time.time()))
-        conn.putheader(MANIFEST_BYTES_HEADER, str(len(manifest)))
-        conn.putheader("Content-Length", str(len(manifest) + snapshot.manifest.total_bytes))
+        conn.putheader(AUTH_HEADER, auth_token(secret, "PUT", target, time.time(), body=claim))
+        for name, value in claim.headers().items():
+            conn.putheader(name, value)
         conn.endheaders(manifest)
-        view = snapshot.buffer.data
         try:
             for start in range(0, len(view), SEND_CHUNK):
                 conn.send(view[start:start + SEND_CHUNK])

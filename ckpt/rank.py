@@ -10,8 +10,9 @@ and, when behind, ``ckpt.catch_up(peers, step)`` then ``.result()`` at the
 commit point; after a restart, ``ckpt.restore_chain(...).restore(step)``.
 
 With FT-HSDP every replica holds the same state, so only one replica needs to
-write the persistent tier: ``shard`` / ``shards`` are the rank's index and count
-inside its replica, and ``persist`` says whether this replica writes.
+write the persistent tier every ``persist_every`` steps: ``shard`` / ``shards`` are
+the rank's index and count inside its replica, and ``persist`` says whether this
+replica writes on that schedule. Any rank can persist on demand (``persist_now``).
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ class RankCheckpointer:
                                   snapshots=self.snapshots.buffers, backups=self.backups,
                                   max_wait=config.fetch_timeout,
                                   io_timeout=config.fetch_timeout).start()
-        self.persistent = (self._store(config.dir, Completeness.ALL_SHARDS, create_dirs)
-                           if persist else None)
+        # Every rank can persist on demand (``persist_now``); ``persist``: also every
+        # ``persist_every`` steps (one replica's ranks write the shared store).
+        self.persistent = self._store(config.dir, Completeness.ALL_SHARDS, create_dirs)
+        self.persist_on_schedule = persist
         self.local = (self._store(config.local_dir, Completeness.OWN_SHARD, create_dirs)
                       if config.local_dir else None)
         self.loader = LoaderStateStore(Path(config.dir), rank=place.rank, durable=config.durable)
@@ -99,14 +102,15 @@ class RankCheckpointer:
         """Start the snapshot of the committed ``step``; persist it if due."""
         self.snapshots.start(step, source)
         self.loader.write(step, loader_state)
-        for store in (self.persistent, self.local):
+        scheduled = (self.persistent if self.persist_on_schedule else None, self.local)
+        for store in scheduled:
             if store is not None and store.should_persist(step):
                 self._persist(store, step)
 
     def persist_now(self, step: int | None = None
                     ) -> concurrent.futures.Future[ShardRecord] | None:
         """Persist on demand (the newest snapshot if ``step`` is None)."""
-        return None if self.persistent is None else self._persist(self.persistent, step)
+        return self._persist(self.persistent, step)
 
     def _persist(self, store: PersistentStore, step: int | None
                  ) -> concurrent.futures.Future[ShardRecord] | None:
@@ -137,8 +141,7 @@ class RankCheckpointer:
                                   timeout=self.config.fetch_timeout))
         if self.local is not None:
             tiers.append(DiskTier(self.local, TierKind.LOCAL_DISK))
-        if self.persistent is not None:
-            tiers.append(DiskTier(self.persistent, TierKind.PERSISTENT))
+        tiers.append(DiskTier(self.persistent, TierKind.PERSISTENT))
         return RestoreChain(tiers, rank=self.place.shard, check_finite=self.config.check_finite,
                             events=events)
 

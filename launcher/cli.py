@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ftcore.config import Config, load_config, save_config
-from ftcore.errors import ExitCode, FtError, TerminalAbort, UsageError
+from ftcore.errors import ConfigError, ExitCode, FtError, TerminalAbort, UsageError
 from ftcore.events import EventLog, RunStarted
 from ftcore.ids import new_job_secret
 from ftcore.logs import configure_logging
@@ -26,12 +26,21 @@ from ftcore.slurm.client import SlurmCli
 from ftcore.slurm.hostlist import compress, expand
 
 from .ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_size
+from .heartbeat import heartbeat_path
 from .plan import LaunchPlan, plan_allocation
 from .report import status_text, summarize
+from .submit import submit
 from .supervisor import Supervisor
 from .timeline import render_timeline
 from .versions import write_update_request
-from .worker.identity import ENV_CONFIG, ENV_JOB_ID, ENV_NUM_REPLICAS, ENV_RUN_DIR, ENV_SECRET
+from .worker.identity import (
+    ENV_CONFIG,
+    ENV_HEARTBEAT,
+    ENV_JOB_ID,
+    ENV_NUM_REPLICAS,
+    ENV_RUN_DIR,
+    ENV_SECRET,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +90,34 @@ def build_parser() -> argparse.ArgumentParser:
                           "salloc --no-shell --no-kill -N NODES, then ft-launch run --jobid "
                           "JOB ... (no batch host: the run survives the loss of any compute "
                           "node)")
+    run.add_argument("--release-allocation", action="store_true",
+                     help="cancel the --jobid allocation when the run ends (ft-launch submit "
+                          "sets it: the allocation was made for this run)")
     run.add_argument("train_command", nargs=argparse.REMAINDER,
                      help="-- then the training command each rank runs")
+
+    sub_parser = sub.add_parser(
+        "submit", help="from a login node: allocate, and run the controller here",
+        description="One command on a login node: salloc --no-shell --no-kill for the "
+                    "replicas and standby nodes, then the controller (ft-launch run --jobid) "
+                    "runs on this host, detached, and cancels the allocation when the run "
+                    "ends. No node of the allocation is special: losing any one is a replica "
+                    "or standby fault. Under sbatch instead, the batch host carries the "
+                    "controller; if it dies the workers save the newest state and requeue "
+                    "the job.",
+        epilog="Follow it with: ft-launch status RUN_DIR, or tail -f RUN_DIR/controller.log.")
+    _add_job_flags(sub_parser)
+    sub_parser.add_argument("--job-name", default="ft-launch", help="salloc --job-name")
+    sub_parser.add_argument("--time", help="salloc --time (e.g. 2-00:00:00)")
+    sub_parser.add_argument("--partition", help="salloc --partition")
+    sub_parser.add_argument("--account", help="salloc --account")
+    sub_parser.add_argument("--salloc-arg", action="append", default=[], metavar="ARG",
+                            help="another salloc option, e.g. --salloc-arg=--qos=high "
+                                 "(repeatable)")
+    sub_parser.add_argument("--foreground", action="store_true",
+                            help="run the controller in this terminal instead of detached")
+    sub_parser.add_argument("train_command", nargs=argparse.REMAINDER,
+                            help="-- then the training command each rank runs")
 
     status = sub.add_parser("status", help="replicas, nodes, steps, standby pool, events",
                             description="Read a run directory and show where it stands.")
@@ -196,8 +231,34 @@ def render_shell(plan: LaunchPlan, extra_args: tuple[str, ...] = ()) -> str:
 
 
 def command_run(args: argparse.Namespace, config: Config) -> int:
-    command = _train_command(args)
     slurm = SlurmCli(config.slurm.command_timeout)
+    if not args.release_allocation:
+        return _run(args, config, slurm)
+    if not args.jobid:
+        raise UsageError("--release-allocation needs --jobid")
+    try:
+        return _run(args, config, slurm)
+    finally:
+        slurm.cancel_job(args.jobid)
+        log.info("allocation %s released", args.jobid)
+
+
+def command_submit(args: argparse.Namespace, config: Config) -> int:
+    slurm = SlurmCli(config.slurm.command_timeout)
+    job_id, run_dir, pid = submit(args, config, _train_command(args), slurm)
+    if pid is None:
+        args.jobid, args.release_allocation = job_id, True
+        return command_run(args, config)
+    sys.stdout.write(f"job {job_id}: controller running here (pid {pid}), detached; it "
+                     f"releases the allocation when the run ends\n"
+                     f"  run directory  {run_dir}\n"
+                     f"  follow         ft-launch status {run_dir}\n"
+                     f"  stop           scancel {job_id}\n")
+    return ExitCode.OK
+
+
+def _run(args: argparse.Namespace, config: Config, slurm: SlurmCli) -> int:
+    command = _train_command(args)
     if args.jobid:
         info = slurm.job(args.jobid)
         if info is None:
@@ -212,7 +273,7 @@ def command_run(args: argparse.Namespace, config: Config) -> int:
     config_path = save_config(config, run_dir)
     worker_env = {ENV_JOB_ID: allocation.job_id, ENV_NUM_REPLICAS: str(config.job.replicas),
                   ENV_RUN_DIR: str(run_dir), ENV_SECRET: new_job_secret(),
-                  ENV_CONFIG: str(config_path)}
+                  ENV_CONFIG: str(config_path), ENV_HEARTBEAT: str(heartbeat_path(run_dir))}
     configure_logging(args.log_level, run_dir / "controller.log")
     log.info("run %s: %s", run_dir, render_plan(plan, config.slurm.srun_extra_args))
     with EventLog(run_dir / "controller.jsonl") as events:
@@ -306,7 +367,8 @@ def command_standby_size(args: argparse.Namespace, config: Config) -> int:
     return ExitCode.OK
 
 
-COMMANDS = {"plan": command_plan, "run": command_run, "status": command_status,
+COMMANDS = {"plan": command_plan, "run": command_run, "submit": command_submit,
+            "status": command_status,
             "update": command_update, "timeline": command_timeline,
             "standby-size": command_standby_size}
 
@@ -317,6 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         config = resolve_config(args)
+    except ConfigError as error:  # this invocation's input (--config, FTL_*, --set, flags)
+        sys.stderr.write(f"ft-launch: error: {error}\n")
+        return ExitCode.USAGE
+    try:
         return COMMANDS[args.command](args, config)
     except FtError as error:
         sys.stderr.write(f"ft-launch: error: {error}\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftcore.config import JobConfig, StandbyMode
+from ftcore.config import BatchHostRole, JobConfig, StandbyMode
 from ftcore.errors import UsageError
 from ftcore.slurm.commands import StepSpec, srun_argv
 
@@ -28,6 +28,7 @@ class LaunchPlan:
     excluded: tuple[str, ...]          # e.g. the batch host, kept out of replicas
     tasks_per_node: int
     command: tuple[str, ...]
+    batch_host: str | None = None      # runs the controller; a standby promoted last
 
     def step_spec(self, replica_id: int, extra_args: tuple[str, ...] = ()) -> StepSpec:
         placement = self.replicas[replica_id]
@@ -54,27 +55,41 @@ def replica_step_spec(plan: LaunchPlan, nodes: tuple[str, ...], replica_id: int,
 def plan_allocation(nodes: tuple[str, ...], job: JobConfig, command: tuple[str, ...],
                     *, job_id: str | None = None, batch_host: str | None = None) -> LaunchPlan:
     """Split ``nodes`` into ``job.replicas`` replicas of ``job.nodes_per_replica``
-    consecutive nodes, then standby nodes. Surplus nodes join the standby pool."""
+    consecutive nodes, then standby nodes. Surplus nodes join the standby pool.
+
+    The batch host runs the controller and every srun client: by default
+    (``job.batch_host = "standby"``) it trains nothing and is the standby promoted
+    last, so that losing any training node never takes the controller with it."""
     if not command:
         raise UsageError("no training command given", hint="put it after '--', e.g. "
                          "ft-launch plan -- python train.py")
     if len(set(nodes)) != len(nodes):
         raise UsageError(f"node list has duplicates: {', '.join(nodes)}")
-    excluded = (batch_host,) if job.exclude_batch_host and batch_host in nodes else ()
+    role = job.batch_host if batch_host in nodes else BatchHostRole.REPLICA
+    excluded = (batch_host,) if role is BatchHostRole.EXCLUDED else ()
     usable = [n for n in nodes if n not in excluded]
+    if role is BatchHostRole.STANDBY:
+        usable.remove(batch_host)
+        usable.append(batch_host)   # after every other node: the last standby
     # In reservation mode the standby nodes come from the reservation, not the allocation.
     in_allocation = job.standby if job.standby_mode is StandbyMode.IN_ALLOCATION else 0
-    needed = job.replicas * job.nodes_per_replica + in_allocation
-    if len(usable) < needed:
+    trainers = job.replicas * job.nodes_per_replica
+    needed = trainers + in_allocation
+    spare_for_batch_host = 1 if role is BatchHostRole.STANDBY and in_allocation == 0 else 0
+    if len(usable) < needed + spare_for_batch_host:
         raise UsageError(
             f"the allocation has {len(usable)} usable node(s) but {job.replicas} replica(s) x "
             f"{job.nodes_per_replica} node(s) + {in_allocation} standby need {needed}"
-            + (f" ({excluded[0]} is excluded as the batch host)" if excluded else ""),
-            hint=f"request at least {needed + len(excluded)} nodes (sbatch -N) or lower "
-                 "job.replicas / job.nodes_per_replica / job.standby")
+            + (f" ({excluded[0]} is excluded as the batch host)" if excluded else "")
+            + (f", and the batch host {batch_host} trains nothing (job.batch_host = "
+               "'standby'): one more node" if spare_for_batch_host else ""),
+            hint=f"request at least {needed + len(excluded) + spare_for_batch_host} nodes "
+                 "(sbatch -N), lower job.replicas / job.nodes_per_replica, or drive the "
+                 "allocation from a login node (ft-launch submit)")
     size = job.nodes_per_replica
     replicas = tuple(ReplicaPlacement(r, tuple(usable[r * size:(r + 1) * size]))
                      for r in range(job.replicas))
-    standby = tuple(usable[job.replicas * size:])
+    standby = tuple(usable[trainers:])
     return LaunchPlan(job_id=job_id, replicas=replicas, standby=standby, excluded=excluded,
-                      tasks_per_node=job.tasks_per_node, command=tuple(command))
+                      tasks_per_node=job.tasks_per_node, command=tuple(command),
+                      batch_host=batch_host if batch_host in nodes else None)

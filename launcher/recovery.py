@@ -48,6 +48,12 @@ class RunState:
     evicted: tuple[str, ...] = ()
     restarts: int = 0                   # full in-allocation restarts so far
     nodes_per_replica: int = 1
+    last_standby: str | None = None     # the batch host: promoted only when no other is left
+
+    def with_standby(self, nodes: tuple[str, ...]) -> RunState:
+        """``nodes`` as the standby pool, ``last_standby`` (if among them) moved last."""
+        last = tuple(n for n in nodes if n == self.last_standby)
+        return replace(self, standby=tuple(n for n in nodes if n != self.last_standby) + last)
 
     def replica(self, replica_id: int) -> Replica:
         return self.replicas[replica_id]
@@ -174,7 +180,7 @@ def decide(state: RunState, event: Event, policy: Policy | None = None
     if isinstance(event, StandbyAdded):
         if event.node in state.standby or event.node in state.evicted:
             return state, []
-        return replace(state, standby=state.standby + (event.node,)), []
+        return state.with_standby(state.standby + (event.node,)), []
     if isinstance(event, RestartRequested):
         replica = state.replica(event.replica_id)
         if replica.state in (ReplicaState.FINISHED, ReplicaState.FAILED):
@@ -259,7 +265,7 @@ def _lost_replicas(state: RunState, newly_lost: int) -> int:
 
 def _full_restart(state: RunState, actions: list[Action]) -> tuple[RunState, list[Action]]:
     usable = [n for r in state.replicas for n in r.nodes if n not in state.evicted]
-    usable += list(state.standby)
+    usable += list(state.standby)         # the batch host, if still a standby, comes last
     size = state.nodes_per_replica
     count = min(len(usable) // size, len(state.replicas))
     if count * 2 <= len(state.replicas):

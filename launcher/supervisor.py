@@ -25,10 +25,10 @@ from ftcore.events import Event, EventLog, NodeDrained
 from ftcore.slurm.client import SlurmBackend, cancel_named_step
 from ftcore.slurm.commands import StepSpec
 from ftcore.slurm.states import Disposition, node_disposition
+from health.drain_request import job_comment, write_request
 
 from . import recovery as rc
 from . import versions as cv
-from .drain_request import job_comment, write_request
 from .events import (
     EventTail,
     FullRestartOrdered,
@@ -39,6 +39,7 @@ from .events import (
     RunFinished,
     StandbyPromoted,
 )
+from .heartbeat import HeartbeatWriter
 from .inspection import NodeInspection
 from .plan import LaunchPlan, replica_step_spec
 from .pool import ReservationPool
@@ -81,7 +82,8 @@ class Supervisor:
         self.events = events
         self.state = rc.RunState(
             replicas=tuple(rc.Replica(r.replica_id, r.nodes) for r in plan.replicas),
-            standby=plan.standby, nodes_per_replica=config.job.nodes_per_replica)
+            standby=plan.standby, nodes_per_replica=config.job.nodes_per_replica,
+            last_standby=plan.batch_host)
         self.policy = rc.Policy(retries_in_place=config.recovery.retries_in_place)
         self.replicas: dict[int, Watched] = {}
         self.standbys: dict[str, Watched] = {}
@@ -108,7 +110,11 @@ class Supervisor:
 
     def _popen(self, spec: StepSpec, env: dict[str, str], log_name: str
                ) -> subprocess.Popen[bytes]:
-        with (self.logs / log_name).open("ab") as out:
+        """Launch ``spec``; its tasks write ``logs/<log_name>.log`` themselves (slurmstepd
+        opens it on their nodes): output forwarded through ``srun`` would block them
+        once srun's host, the batch host, is gone. srun's own messages go beside it."""
+        spec = replace(spec, output=str(self.logs / f"{log_name}.log"))
+        with (self.logs / f"{log_name}.srun.log").open("ab") as out:
             return self.slurm.launch_step(spec, env=env, stdout=out.fileno())
 
     def launch_replica(self, replica_id: int, nodes: tuple[str, ...], how: str) -> None:
@@ -123,7 +129,7 @@ class Supervisor:
                                  self.config.slurm.srun_extra_args, command=command,
                                  overlap=bool(set(nodes) & self._expanded))
         env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
-        proc = self._popen(spec, env, f"replica-{replica_id}.log")
+        proc = self._popen(spec, env, f"replica-{replica_id}")
         self.replicas[replica_id] = Watched(spec.name, proc, time.monotonic(), self.plan.job_id)
         self._restarted(replica_id)
         self.events.emit(ReplicaLaunched(replica_id=replica_id, nodes=list(nodes), how=how))
@@ -141,7 +147,7 @@ class Supervisor:
                         name=f"standby-{node}", job_id=job_id,
                         extra_args=self.config.slurm.srun_extra_args)
         self.standbys[node] = Watched(spec.name, self._popen(spec, self.worker_env,
-                                                              f"standby-{node}.log"),
+                                                              f"standby-{node}"),
                                       time.monotonic(), job_id)
 
     def start(self) -> None:
@@ -149,7 +155,7 @@ class Supervisor:
             self.launch_replica(replica.replica_id, replica.nodes, "initial")
         if self.pool is not None:
             held = self.pool.acquire()
-            self.state = replace(self.state, standby=self.state.standby + held)
+            self.state = self.state.with_standby(self.state.standby + held)
         for node in self.state.standby:
             self.launch_standby(node)
         for replica in self.state.replicas:
@@ -165,6 +171,7 @@ class Supervisor:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
+        heartbeat = HeartbeatWriter(self.run_dir, self.config.runtime.controller_timeout).start()
         self.start()
         try:
             while True:
@@ -174,6 +181,7 @@ class Supervisor:
                 time.sleep(self.config.recovery.poll_interval)
         finally:
             self.stop_all()
+            heartbeat.stop()
 
     def poll(self) -> int | None:
         """One round of watching; an exit code when the run is over."""

@@ -7,7 +7,9 @@ batch script's ``ExitCode`` and the steps' ``DerivedExitCode`` are final by
 then. When slurmctld cannot say, the deeper profile runs: a slower epilog is
 cheaper than a sick node taking the next job. A node the job's ft-launch
 controller evicted without the rights to drain it is drained here
-(``launcher.drain_request``).
+(``health.drain_request``); so is a node whose job named a drain request the
+Epilog cannot trust (a link, a FIFO, another user's file...), and the post-job
+checks run in either case.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from ftcore.slurm.client import SlurmCli
 from ftcore.slurm.commands import show_job_argv
 from ftcore.slurm.parse import parse_records
 from health.drain import drain_node
+from health.drain_request import InvalidDrainRequest, requested_reason
 from health.settings import HealthSettings
-from launcher.drain_request import requested_reason
 
 from .hook import HookEnv, run_hook
 
@@ -60,12 +62,19 @@ def choose_profile(env: HookEnv, settings: HealthSettings, slurm: SlurmCli) -> s
 
 def honour_drain_request(record: Mapping[str, str], env: HookEnv, slurm: SlurmCli) -> None:
     """Drain this node if the job's ft-launch controller evicted it but could not drain
-    it (no operator rights): see ``launcher.drain_request``."""
-    reason = requested_reason(record, env.job_id or "", env.node)
-    if reason is None:
-        return
-    log.warning("job %s's controller evicted %s: draining it (%s)", env.job_id, env.node,
-                reason)
+    it (no operator rights), or if the job named a request that cannot be trusted:
+    fail closed, since a root hook cannot tell a hostile request from a broken one.
+    See ``health.drain_request``. Never raises: the post-job checks follow."""
+    try:
+        reason = requested_reason(record, env.job_id or "", env.node, env.job_uid)
+    except InvalidDrainRequest as exc:
+        reason = f"ft-launch: invalid drain request: {exc}"
+        log.error("job %s: %s; draining %s", env.job_id, reason, env.node)
+    else:
+        if reason is None:
+            return
+        log.warning("job %s's controller evicted %s: draining it (%s)", env.job_id,
+                    env.node, reason)
     try:
         drain_node(slurm, env.node, reason)
     except SlurmCommandError as exc:

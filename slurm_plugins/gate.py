@@ -50,6 +50,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def gate(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, ProfileReport | None]:
     settings = load_settings(args.config, env=env)
     hook_env = HookEnv.from_environ(env)
+    hook_env.warn_rejected("gate")
     report = run_profile(settings.profile(args.profile),
                          settings.context(hook_env.node, hook_env.job(ended=False)))
     if args.report:
@@ -73,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code, _ = gate(args, os.environ)
     except ConfigError as exc:
-        # Unlike the Prolog, a broken config here is the job owner's to fix: say so.
+        # Unlike the Prolog, a broken config or a node name the gate cannot use (the
+        # step's environment is the job's own) is the job owner's to fix: say so.
         sys.stderr.write(f"{GATE_FAILED_PREFIX} config error: {exc}\n")
         return ExitCode.USAGE
     if code != ExitCode.OK or not command:

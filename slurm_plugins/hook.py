@@ -3,13 +3,18 @@ load the admin config, run a profile, record the report, drain on failure.
 
 Documented variables read (and nothing else from the job): ``SLURMD_NODENAME``
 (all hooks), ``SLURM_JOB_ID``, ``SLURM_JOB_UID``, ``SLURM_JOB_USER`` (Prolog,
-Epilog). Job-controlled strings never reach a shell: Slurm commands are argv
-lists, and the job id is used only after checking it is a number.
+Epilog), each validated by ``health.slurm_env``. Job-controlled strings never
+reach a shell: Slurm commands are argv lists.
 
 Failure policy: a failing check drains the node (``ft: <reason>``) and the hook
-exits ``ExitCode.NODE_UNHEALTHY`` (76). A broken admin config or a bug in the
-hook itself fails *open* (logged as an error, exit 0): failing closed would
-drain every node of the cluster and, for the Prolog, requeue and hold every job.
+exits ``ExitCode.NODE_UNHEALTHY`` (76). A broken admin config, a
+``SLURMD_NODENAME`` that is not a node name, or a bug in the hook itself fails
+*open* (one error line, exit 0): all three come from the node's setup, not from
+the job, so they hit every node alike, and failing closed would drain every
+node of the cluster and, for the Prolog, requeue and hold every job; a node we
+cannot name we cannot drain or report on either. A bad job variable
+(``SLURM_JOB_UID=²``) is dropped with one warning line and the node is checked
+all the same: its health does not depend on who ran the job.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from health.drain import drain_node
 from health.profile import ProfileReport, run_profile
 from health.settings import CONFIG_ENV, HealthSettings, load_settings
 from health.settings import DEFAULT_PATH as DEFAULT_CONFIG
+from health.slurm_env import read_slurm_env
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +51,18 @@ class HookEnv:
     job_id: str | None = None
     job_uid: int | None = None
     job_user: str = ""
+    rejected: tuple[str, ...] = ()     # job variables dropped as invalid, one line each
 
     @staticmethod
     def from_environ(env: Mapping[str, str]) -> HookEnv:
-        job_id = env.get("SLURM_JOB_ID", "")
-        uid = env.get("SLURM_JOB_UID", "")
-        return HookEnv(node=env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0],
-                       job_id=job_id if job_id.isdigit() else None,
-                       job_uid=int(uid) if uid.isdigit() else None,
-                       job_user=env.get("SLURM_JOB_USER", ""))
+        """Raises ``ConfigError`` when the node cannot be named (see ``health.slurm_env``)."""
+        inputs = read_slurm_env(env, socket.gethostname())
+        return HookEnv(node=inputs.node, job_id=inputs.job_id, job_uid=inputs.job_uid,
+                       job_user=inputs.job_user, rejected=inputs.rejected)
+
+    def warn_rejected(self, hook: str) -> None:
+        for line in self.rejected:
+            log.warning("ft-%s on %s: %s", hook, self.node, line)
 
     def job(self, ended: bool) -> JobFacts | None:
         if self.job_id is None:
@@ -118,6 +127,7 @@ def run_hook(hook: str, choose_profile: Callable[[HookEnv, HealthSettings, Slurm
 def _checked_run(hook: str, choose_profile: Callable[[HookEnv, HealthSettings, SlurmCli], str],
                  job_ended: bool, settings: HealthSettings, env: Mapping[str, str]) -> int:
     hook_env = HookEnv.from_environ(env)
+    hook_env.warn_rejected(hook)
     slurm = slurm_client(settings, env)
     profile = choose_profile(hook_env, settings, slurm)
     report = run_profile(settings.profile(profile), settings.context(hook_env.node,

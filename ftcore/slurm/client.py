@@ -38,9 +38,11 @@ class SlurmBackend(Protocol):
     def resize_job(self, job_id: str, num_nodes: int) -> None: ...
     def allocate(self, nodes: int, *, name: str, reservation: str | None = None,
                  nodelist: tuple[str, ...] = (), expand: str | None = None,
-                 immediate_s: int | None = None) -> str: ...
+                 immediate_s: int | None = None, extra: tuple[str, ...] = (),
+                 wait_forever: bool = False) -> str: ...
     def shrink_job(self, job_id: str, keep: tuple[str, ...]) -> None: ...
     def cancel_job(self, job_id: str) -> None: ...
+    def requeue_job(self, job_id: str) -> None: ...
     def set_comment(self, job_id: str, comment: str) -> None: ...
     def config(self) -> dict[str, str]: ...
 
@@ -59,12 +61,14 @@ class SlurmCli:
     def run(self, argv: Sequence[str]) -> str:
         return self._run(argv).stdout
 
-    def _run(self, argv: Sequence[str], cwd: str | None = None
-             ) -> subprocess.CompletedProcess[str]:
+    def _run(self, argv: Sequence[str], cwd: str | None = None,
+             wait_forever: bool = False) -> subprocess.CompletedProcess[str]:
+        """Bounded by ``command_timeout``, unless ``wait_forever`` (salloc in the queue:
+        as long as it takes, as sbatch's job would wait)."""
+        limit = None if wait_forever else self.command_timeout
         try:
             result = subprocess.run([*self.prefix, *argv], capture_output=True, text=True,
-                                    check=False, timeout=self.command_timeout, env=self.env,
-                                    cwd=cwd)
+                                    check=False, timeout=limit, env=self.env, cwd=cwd)
         except subprocess.TimeoutExpired:
             raise SlurmCommandError(f"'{' '.join(argv)}' did not answer within "
                                     f"{self.command_timeout} s",
@@ -128,11 +132,13 @@ class SlurmCli:
 
     def allocate(self, nodes: int, *, name: str, reservation: str | None = None,
                  nodelist: tuple[str, ...] = (), expand: str | None = None,
-                 immediate_s: int | None = None) -> str:
+                 immediate_s: int | None = None, extra: tuple[str, ...] = (),
+                 wait_forever: bool = False) -> str:
         """``salloc --no-shell``; returns the new job's id."""
         result = self._run(commands.allocate_argv(nodes, name=name, reservation=reservation,
                                                   nodelist=nodelist, expand=expand,
-                                                  immediate_s=immediate_s))
+                                                  immediate_s=immediate_s, extra=extra),
+                           wait_forever=wait_forever)
         job_id = parse.parse_granted_job(result.stderr + result.stdout)
         if job_id is None:
             raise SlurmCommandError(f"salloc granted no allocation: {result.stderr.strip()}")
@@ -143,6 +149,10 @@ class SlurmCli:
 
     def cancel_job(self, job_id: str) -> None:
         self.run(commands.cancel_job_argv(job_id))
+
+    def requeue_job(self, job_id: str) -> None:
+        log.info("scontrol: requeue job %s", job_id)
+        self.run(commands.requeue_argv(job_id))
 
     def config(self) -> dict[str, str]:
         return parse.parse_config(self.run(commands.show_config_argv()))

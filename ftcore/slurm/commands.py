@@ -23,6 +23,7 @@ class StepSpec:
     #: share CPUs with other steps instead of ``--exact``: needed on a node a job got by
     #: expansion, where Slurm 22.05 leaves ``--exact`` steps pending (job core bitmap)
     overlap: bool = False
+    #: the tasks' stdout and stderr, appended to by slurmstepd on their own nodes
     output: str | None = None
     extra_args: tuple[str, ...] = ()
 
@@ -40,8 +41,8 @@ def srun_argv(spec: StepSpec) -> list[str]:
         argv.append(f"--job-name={spec.name}")
     if spec.kill_on_bad_exit:
         argv.append("--kill-on-bad-exit=1")
-    if spec.output:
-        argv.append(f"--output={spec.output}")
+    if spec.output:   # "%%": a literal % (srun expands %j, %t, ... in file names)
+        argv += [f"--output={spec.output.replace('%', '%%')}", "--open-mode=append"]
     return [*argv, *spec.extra_args, "--", *spec.command]
 
 
@@ -104,7 +105,7 @@ def resize_job_argv(job_id: str, num_nodes: int) -> list[str]:
 
 def allocate_argv(nodes: int, *, name: str, reservation: str | None = None,
                   nodelist: tuple[str, ...] = (), expand: str | None = None,
-                  immediate_s: int | None = None) -> list[str]:
+                  immediate_s: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     """``salloc --no-shell``: an allocation without a shell (driven by ``srun --jobid``),
     kept when one of its nodes fails; ``expand``: as an expansion of that job (needs
     ``SchedulerParameters=permit_job_expansion``)."""
@@ -119,7 +120,7 @@ def allocate_argv(nodes: int, *, name: str, reservation: str | None = None,
         argv.append(f"--dependency=expand:{expand}")
     if immediate_s is not None:
         argv.append(f"--immediate={immediate_s}")
-    return argv
+    return [*argv, *extra]
 
 
 def expand_job_argv(main_job_id: str, node: str, reservation: str | None = None) -> list[str]:

@@ -34,3 +34,23 @@ class StepDiscarded(Event):
     step: int
     quorum_id: int
     reason: str
+
+
+@dataclass(frozen=True)
+class ControllerLost(Event):
+    """This rank stopped training: the controller's heartbeat stopped."""
+
+    replica_id: int
+    rank: int
+    next_step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AllocationEnded(Event):
+    """After the controller was lost: the newest state saved (``saved_step``, None if
+    this replica saved nothing) and the job requeued or cancelled (``outcome``)."""
+
+    replica_id: int
+    saved_step: int | None
+    outcome: str

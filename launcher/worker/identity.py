@@ -21,6 +21,7 @@ ENV_RANK = "FTLAUNCH_RANK"
 ENV_RANKS = "FTLAUNCH_RANKS"
 ENV_CONFIG = "FTLAUNCH_CONFIG"
 ENV_INCARNATION = "FTLAUNCH_INCARNATION"   # tells apart relaunches of a replica
+ENV_HEARTBEAT = "FTLAUNCH_CONTROLLER_HEARTBEAT"   # the controller's heartbeat file
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class WorkerIdentity:
     host: str            # address peers reach this worker at
     run_dir: Path        # shared by all replicas: peer directory, audit, checkpoints
     secret: str
+    #: the controller's heartbeat file (None: no controller watches this worker)
+    heartbeat: Path | None = None
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> WorkerIdentity:
@@ -56,7 +59,8 @@ class WorkerIdentity:
             job_id=env.get(ENV_JOB_ID) or env.get("SLURM_JOB_ID") or "local",
             replica_id=replica_id, num_replicas=replicas, rank=rank, ranks=ranks,
             host=env.get(ENV_HOST) or node_address(), run_dir=Path(env[ENV_RUN_DIR]),
-            secret=env[ENV_SECRET])
+            secret=env[ENV_SECRET],
+            heartbeat=Path(env[ENV_HEARTBEAT]) if env.get(ENV_HEARTBEAT) else None)
 
 
 def node_address() -> str:

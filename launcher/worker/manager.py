@@ -39,12 +39,15 @@ from ckpt.restore import DiskTier, RestoreChain, TierKind
 from ckpt.snapshot import DualBufferSnapshotter, StateSource
 from ftar import FtarGroup, ReduceOp
 from ftcore.config import Config
-from ftcore.errors import FtError, RecoverableError
+from ftcore.errors import FtError, RecoverableError, TerminalAbort
+from ftcore.slurm.client import SlurmCli
+from launcher.heartbeat import ControllerWatchThread
 from ftcore.events import EventLog
 from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent
 from launcher.quorum.events import Event as QuorumEvent
 
-from .events import StepCommitted, StepDiscarded, WorkerStarted
+from .controller_loss import ControllerLostNotice, end_allocation, saver_of, wait_job_ended
+from .events import AllocationEnded, ControllerLost, StepCommitted, StepDiscarded, WorkerStarted
 from .faults import FaultInjector, FaultPoint
 from .identity import WorkerIdentity
 from .ledger import DataLedger, StepContribution
@@ -114,6 +117,12 @@ class Manager:
                                      event_log=self.events).start()
             if config.runtime.drop_lost_members:
                 self.agent.subscribe(self._on_quorum_event)
+        # Rank 0 watches the controller; its ranks hear of a loss with the quorum's answer.
+        self._ending = threading.Event()
+        self.controller = (ControllerWatchThread(identity.heartbeat,
+                                                 config.runtime.controller_timeout,
+                                                 on_lost=self._end_if_stuck).start()
+                           if identity.rank == 0 and identity.heartbeat is not None else None)
         self._quorum_id: int | None = None
         self._plan: StepPlan | None = None
         self._catch_up: Any = None
@@ -197,13 +206,17 @@ class Manager:
 
     def _quorum_view(self) -> QuorumView:
         """Rank 0 asks the quorum; every rank of the replica gets its answer (or error)."""
-        answer: QuorumView | str | None = None
-        if self.agent is not None:
+        answer: QuorumView | ControllerLostNotice | str | None = None
+        if self.controller is not None and self.controller.lost.is_set():
+            answer = ControllerLostNotice(self.controller.reason)
+        elif self.agent is not None:
             try:
                 answer = self._ask_quorum()
             except RecoverableError as error:
                 answer = str(error)
         answer = self.group.broadcast(answer)
+        if isinstance(answer, ControllerLostNotice):
+            self._end_without_controller(answer.reason)
         if isinstance(answer, str):
             raise RecoverableError(answer, replica_id=self.identity.replica_id,
                                    rank=self.identity.rank)
@@ -311,6 +324,67 @@ class Manager:
                 log.info("rank %d did not take the notice that replica %d is lost: %s",
                          rank, replica, exc)
 
+    # ------------------------------------------------------------------ controller lost
+
+    def _end_without_controller(self, reason: str) -> None:
+        """Save the newest committed step and requeue the job, then stop (see
+        ``controller_loss``). Collective: every rank of the replica is here."""
+        me = self.identity
+        self._ending.set()
+        self.events.emit(ControllerLost(replica_id=me.replica_id, rank=me.rank,
+                                        next_step=self.next_step, reason=reason))
+        slurm = SlurmCli(self.config.slurm.command_timeout)
+        members = self._plan.members if self._plan is not None else ()
+        if not saver_of(members, me.replica_id):
+            waited = self.config.runtime.controller_timeout
+            log.error("controller lost (%s): waiting up to %g s for replica %d to save the "
+                      "state and requeue job %s", reason, waited, min(members), me.job_id)
+            ended = me.rank != 0 or wait_job_ended(slurm, me.job_id, waited)
+            if self.group.all_true(ended):
+                raise TerminalAbort(f"controller lost: {reason}; the job was ended")
+            log.error("job %s still runs: this replica saves the state and requeues it",
+                      me.job_id)
+        saved = self._persist_newest()
+        saved_by_all = self.group.all_true(saved is not None)
+        outcome = "nothing to save"
+        if me.rank == 0:
+            log.error("controller lost (%s): step %s saved to the persistent tier; ending "
+                      "the allocation", reason, saved if saved_by_all else "none")
+            outcome = end_allocation(slurm, me.job_id)
+            self.events.emit(AllocationEnded(replica_id=me.replica_id,
+                                             saved_step=saved if saved_by_all else None,
+                                             outcome=outcome))
+        raise TerminalAbort(f"controller lost: {reason}; {outcome}")
+
+    def _end_if_stuck(self, reason: str) -> None:
+        """On the watch thread: if training does not reach a step boundary within
+        ``runtime.controller_timeout`` (hung in a collective, say), end the allocation
+        from here, unsaved (the persistent tier has the last scheduled checkpoint)."""
+        if not self._ending.wait(self.config.runtime.controller_timeout):
+            log.error("controller lost (%s) and training is stuck: ending the allocation "
+                      "without saving", reason)
+            end_allocation(SlurmCli(self.config.slurm.command_timeout), self.identity.job_id)
+
+    def _persist_newest(self) -> int | None:
+        """Write the newest committed step to the persistent tier (this rank's shard);
+        the step, or None if there is none or it could not be written in time."""
+        step = self.next_step - 1
+        if step < 0:
+            return None
+        timeout = self.config.ckpt.fetch_timeout
+        self.ckpt.wait_persisted(timeout)     # a scheduled persist may be running
+        if step in self.ckpt.persistent.complete_steps():
+            return step
+        future = self.ckpt.persist_now(step)
+        try:
+            if future is None:
+                raise TimeoutError("a persist is still running")
+            future.result(timeout=timeout)
+        except (FtError, OSError, TimeoutError) as error:
+            log.error("step %d not saved: %s", step, error)
+            return None
+        return step
+
     def _await_catch_up(self) -> Any:
         if self._catch_up is None or self._error is not None:
             return None
@@ -345,6 +419,8 @@ class Manager:
             handle.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
+        if self.controller is not None:
+            self.controller.stop()
         if self.agent is not None:
             self.agent.stop()
         self.ckpt.wait_persisted(self.config.ckpt.fetch_timeout)

@@ -33,8 +33,8 @@ from ckpt.serve import StateServer
 from ckpt.snapshot import DualBufferSnapshotter
 from ckpt.wire import (
     AUTH_HEADER,
-    MANIFEST_BYTES_HEADER,
     AuthVerdict,
+    BodyClaim,
     Route,
     RouteKind,
     auth_token,
@@ -238,10 +238,11 @@ def _push_half(peer: Peer, snap: Snapshot) -> None:
     """A sender that dies after half the body: headers promise more than arrives."""
     manifest = snap.manifest.to_json().encode()
     target = target_for(Route(RouteKind.BACKUP_PUT, 0, snap.step))
+    claim = BodyClaim.of_backup(manifest, snap.buffer.data)
     head = (f"PUT {target} HTTP/1.1\r\nHost: x\r\n"
-            f"{AUTH_HEADER}: {auth_token(SECRET, 'PUT', target, time.time())}\r\n"
-            f"{MANIFEST_BYTES_HEADER}: {len(manifest)}\r\n"
-            f"Content-Length: {len(manifest) + snap.manifest.total_bytes}\r\n\r\n").encode()
+            f"{AUTH_HEADER}: {auth_token(SECRET, 'PUT', target, time.time(), body=claim)}\r\n"
+            + "".join(f"{name}: {value}\r\n" for name, value in claim.headers().items())
+            + "\r\n").encode()
     with socket.create_connection((peer.host, peer.port), timeout=10) as sock:
         sock.sendall(head + manifest + bytes(snap.buffer[:snap.manifest.total_bytes // 2]))
 

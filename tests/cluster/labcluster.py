@@ -96,7 +96,9 @@ def slurm_conf(base: Path, nodes: list[str], hooks: Hooks) -> str:
         f"SlurmctldHost={CONTROLLER}({SUBNET}.1)",
         "SlurmUser=root",
         "SlurmdUser=root",
-        f"AuthInfo=socket={base}/munge/munge.socket",
+        # cred_expire: a requeued job may start again only after it (120 s by default);
+        # the tests of the requeue path (batch host lost) need it short.
+        f"AuthInfo=socket={base}/munge/munge.socket,cred_expire=10",
         f"StateSaveLocation={base}/state",
         f"SlurmdSpoolDir={base}/spool/slurmd-%n",
         f"SlurmctldPidFile={base}/run/slurmctld.pid",

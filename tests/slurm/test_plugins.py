@@ -31,8 +31,8 @@ import pytest
 from ftcore.slurm.client import SlurmCli
 from health.replay import ReplayStatus, plan_replay_grid
 from health.replay_job import reference_digest
+from health.drain_request import job_comment, write_request
 from health.replay_runner import SrunGroupLauncher, run_replay
-from launcher.drain_request import job_comment, write_request
 from tests.cluster import labcluster
 from tests.waiting import wait_until
 

@@ -70,8 +70,9 @@ def test_plan_then_one_step_per_replica_on_disjoint_nodes(slurm_cluster, tmp_pat
 
 
 def test_scancel_of_one_step_leaves_the_others_running(slurm_cluster, tmp_path):
+    # 4 nodes: the batch host trains nothing by default (job.batch_host = "standby")
     job_id = slurm_cluster.sbatch(write_batch(tmp_path, replicas=3, standby=0, wait=True),
-                                  "--no-kill", "--nodes=3", "--output=job.out")
+                                  "--no-kill", "--nodes=4", "--output=job.out")
     try:
         wait_until(lambda: len(records(tmp_path, "started")) == 3, 60, "3 replicas to start")
         steps = replica_steps(slurm_cluster, job_id)

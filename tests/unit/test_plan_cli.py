@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from ftcore.config import JobConfig
+from ftcore.config import BatchHostRole, JobConfig
 from ftcore.errors import UsageError
 from launcher.plan import plan_allocation
 
@@ -24,11 +24,33 @@ def test_plan_splits_replicas_then_standby():
 
 
 def test_surplus_nodes_join_standby_and_batch_host_excluded():
-    job = JobConfig(replicas=2, nodes_per_replica=2, standby=1, exclude_batch_host=True)
+    job = JobConfig(replicas=2, nodes_per_replica=2, standby=1,
+                    batch_host=BatchHostRole.EXCLUDED)
     plan = plan_allocation(NODES, job, ("x",), batch_host="n1")
     assert plan.excluded == ("n1",)
     assert [r.nodes for r in plan.replicas] == [("n2", "n3"), ("n4", "n5")]
     assert plan.standby == ("n6", "n7", "n8")
+
+
+def test_by_default_the_batch_host_trains_nothing_and_is_the_last_standby():
+    job = JobConfig(replicas=3, standby=1)
+    plan = plan_allocation(NODES[:4], job, ("x",), batch_host="n1")
+    assert [r.nodes for r in plan.replicas] == [("n2",), ("n3",), ("n4",)]
+    assert plan.standby == ("n1",) and plan.batch_host == "n1" and plan.excluded == ()
+    surplus = plan_allocation(NODES[:6], job, ("x",), batch_host="n3")
+    assert [r.nodes for r in surplus.replicas] == [("n1",), ("n2",), ("n4",)]
+    assert surplus.standby == ("n5", "n6", "n3")
+
+
+def test_the_batch_host_needs_a_node_of_its_own_unless_it_may_train():
+    with pytest.raises(UsageError, match="batch host n1 trains nothing") as refused:
+        plan_allocation(NODES[:3], JobConfig(replicas=3), ("x",), batch_host="n1")
+    assert "at least 4 nodes" in refused.value.hint and "ft-launch submit" in refused.value.hint
+    trains = plan_allocation(NODES[:3], JobConfig(replicas=3, batch_host=BatchHostRole.REPLICA),
+                             ("x",), batch_host="n1")
+    assert [r.nodes for r in trains.replicas] == [("n1",), ("n2",), ("n3",)]
+    # no batch host (plan --nodelist, ft-launch run --jobid): every node may train
+    assert len(plan_allocation(NODES[:3], JobConfig(replicas=3), ("x",)).replicas) == 3
 
 
 @pytest.mark.parametrize("nodes, job, command, message", [
@@ -58,7 +80,7 @@ def test_cli_plan_prints_exact_commands():
 @pytest.mark.parametrize("args, code, message", [
     (["--nodelist", "n[1-5]", "--replicas", "3", "--nodes-per-replica", "2"], 2, "need 6"),
     (["--nodelist", "n[1-"], 2, "bad hostlist"),
-    (["--nodelist", "n[1-4]", "--nodes-per-replica", "0"], 78, "at least 1"),
+    (["--nodelist", "n[1-4]", "--nodes-per-replica", "0"], 2, "at least 1"),
     ([], 2, "not inside a Slurm allocation"),
 ])
 def test_cli_plan_bad_input(args, code, message):

@@ -124,3 +124,15 @@ def test_a_replenished_standby_joins_the_pool_once_and_an_evicted_node_never():
     assert again.standby == ("s9",) and actions == []
     evicted, _ = rc.decide(s, rc.NodeFaulted(None, "s9", "gate"))
     assert rc.decide(evicted, rc.StandbyAdded("s9"))[0].standby == ()
+
+
+def test_the_batch_host_stays_the_last_standby_promoted():
+    start = replace(state(standby=("s1", "bh")), last_standby="bh")
+    refilled, _ = rc.decide(start, rc.StandbyAdded("s9"))
+    assert refilled.standby == ("s1", "s9", "bh")
+    first, actions = rc.decide(refilled, rc.NodeFaulted(0, "n0", "gpu lost"))
+    assert rc.PromoteStandby(0, "s1") in actions
+    second, actions = rc.decide(first, rc.NodeFaulted(1, "n1", "gpu lost"))
+    assert rc.PromoteStandby(1, "s9") in actions
+    _, actions = rc.decide(second, rc.NodeFaulted(2, "n2", "gpu lost"))
+    assert rc.PromoteStandby(2, "bh") in actions     # only when no other is left
