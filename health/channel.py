@@ -1,7 +1,10 @@
 """ZeroMQ endpoints for the signed health messages: ``Sender`` (PUSH, thread safe)
 on nodes and ranks, ``Collector`` (PULL) on the controller. Every wait has a
 timeout; a sender never blocks training: when the controller is away, messages
-are dropped (and counted) rather than queued without bound."""
+are dropped (and counted) rather than queued without bound. The collector bounds
+what any peer can make it hold: frames above ``MAX_FRAME_BYTES`` end the
+connection (``zmq.MAXMSGSIZE``) and at most ``RECV_HWM`` messages queue per
+connection; whatever it rejects is counted and logged sampled, never raised."""
 
 from __future__ import annotations
 
@@ -12,11 +15,31 @@ from typing import Any
 
 import zmq
 
-from .wire import Envelope, MessageKind, ReplayGuard, Sequencer, WireError, decode, encode
+from ftcore.logs import log_sampled
+
+from .wire import (
+    MAX_FRAME_BYTES,
+    Envelope,
+    MessageKind,
+    Rejection,
+    ReplayGuard,
+    Sequencer,
+    WireError,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
 SEND_HWM = 1000
+#: Messages queued per connected sender before ZeroMQ stops reading from it. A
+#: rank sends a heartbeat each 0.5 s and a message per step, so this covers a
+#: controller busy for several seconds; one connection can make the collector
+#: hold at most RECV_HWM x MAX_FRAME_BYTES (32 MiB).
+RECV_HWM = 128
+#: Messages one ``poll`` takes at most, so a flood cannot keep the controller's
+#: loop inside it (1,000 nodes' ranks send ~16,000 heartbeats a second).
+MAX_PER_POLL = 20_000
 
 
 class Sender:
@@ -39,6 +62,13 @@ class Sender:
     def send(self, kind: MessageKind, body: Mapping[str, Any]) -> bool:
         with self._lock:
             frames = encode(self.secret, self._sequencer.next(kind, body))
+            if len(frames[2]) > MAX_FRAME_BYTES:
+                # The collector would drop the connection; never raise into training.
+                self.dropped += 1
+                log_sampled(log, self.dropped, "health %s message of %d bytes dropped: the "
+                            "collector accepts at most %d", kind.value, len(frames[2]),
+                            MAX_FRAME_BYTES, level=logging.ERROR)
+                return False
             try:
                 self._socket.send_multipart(frames)
                 return True
@@ -53,38 +83,59 @@ class Sender:
 
 
 class Collector:
-    """Receives, verifies and de-duplicates health messages."""
+    """Receives, verifies, checks and de-duplicates health messages."""
 
     def __init__(self, secret: str, bind: str = "tcp://127.0.0.1:0") -> None:
         self.secret = secret
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._socket.setsockopt(zmq.RCVHWM, RECV_HWM)
         self._socket.bind(bind)
         self.endpoint: str = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._guard = ReplayGuard()
-        self.rejected = 0
+        #: Messages dropped since start, by ``Rejection`` value (for the status view).
+        self.rejections: dict[str, int] = dict.fromkeys((r.value for r in Rejection), 0)
+
+    @property
+    def rejected(self) -> int:
+        """All messages dropped so far."""
+        return sum(self.rejections.values())
 
     def poll(self, timeout: float) -> list[Envelope]:
-        """Messages that arrive within ``timeout`` seconds (all already queued, at least)."""
+        """Messages that arrive within ``timeout`` seconds (those already queued, up
+        to ``MAX_PER_POLL`` received or rejected)."""
         received: list[Envelope] = []
         if not self._socket.poll(int(timeout * 1000)):
             return received
-        while True:
+        for _ in range(MAX_PER_POLL):
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return received
             try:
-                envelope = decode(self.secret, frames)
+                envelope = decode(self.secret, [frame.bytes for frame in frames])
+                if not self._guard.accept(envelope):
+                    raise WireError(f"sequence {envelope.seq} from {envelope.sender} "
+                                    f"already seen", Rejection.REPLAYED)
             except WireError as exc:
-                self.rejected += 1
-                log.warning("rejected health message: %s", exc)
-                continue
-            if not self._guard.accept(envelope):
-                self.rejected += 1
-                log.warning("rejected replayed message from %s", envelope.sender)
+                self._reject(exc, frames[0])
                 continue
             received.append(envelope)
+        return received
+
+    def _reject(self, exc: WireError, first: zmq.Frame) -> None:
+        name = exc.reason.value
+        self.rejections[name] += 1
+        log_sampled(log, self.rejections[name], "rejected health message from %s (%s): %s",
+                    _peer_of(first), name, exc)
 
     def close(self) -> None:
         self._socket.close(0)
+
+
+def _peer_of(frame: zmq.Frame) -> str:
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:  # not a TCP connection (inproc, ipc)
+        return "an unknown peer"

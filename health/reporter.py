@@ -29,7 +29,8 @@ class MetricsReporter:
                     step_time: float | None = None, tokens: int | None = None) -> None:
         self.sender.send(MessageKind.METRICS, {
             "rank": self.rank, "step": step, "loss": write_number(loss),
-            "grad_norm": write_number(grad_norm), "step_time": step_time, "tokens": tokens})
+            "grad_norm": write_number(grad_norm), "step_time": write_number(step_time),
+            "tokens": tokens})
 
     def _heartbeats(self) -> None:
         while not self._stop.is_set():

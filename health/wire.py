@@ -5,6 +5,11 @@ per-sender sequence number and the send time; ``mac`` is HMAC-SHA256 over the
 protocol, kind and body with the job secret (``ftcore.ids.sign``). The
 receiver drops anything unsigned, malformed or replayed (sequence not above the
 last one seen from that sender); a restarted sender picks a new sender id.
+
+A signed message is still only data: ``decode`` checks every field the
+controller reads (types, finite numbers, ranges, lengths) against the schema of
+its kind, so a buggy or hostile secret holder gets its message dropped
+(``WireError``), never an exception in the controller.
 """
 
 from __future__ import annotations
@@ -15,19 +20,54 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ftcore.ids import sign, verify
 
+from .result import CheckStatus
+
 PROTOCOL = b"ftl-health/1"
+#: The largest frame accepted (and sent). An inspection report is ~1.2 KiB with
+#: 10 checks on 8 GPUs; 256 KiB leaves room for verbose evidence while bounding
+#: what one message may make the collector buffer (``zmq.MAXMSGSIZE``).
+MAX_FRAME_BYTES = 256 * 1024
+MAX_NAME_CHARS = 256          # a sender id, node, profile or check name
+MAX_TEXT_CHARS = 4096         # a check's reason (it becomes a drain reason)
+MAX_RESULTS = 1024            # checks in one report
+MAX_SEQ = 2**63 - 1
+MAX_RANK = 2**31 - 1
+#: Senders whose last sequence number is remembered; beyond it the least recently
+#: heard is forgotten. Only a secret holder can add senders (8 ranks x 1,000
+#: nodes, restarted a few times, stay far below), so memory is bounded while a
+#: replayed recording, which adds none, cannot push a live sender out.
+MAX_SENDERS = 65536
+_NON_FINITE = ("nan", "inf", "-inf")
 
 
 class MessageKind(enum.Enum):
     REPORT = "report"          # an inspection agent's profile report
     METRICS = "metrics"        # one training step of one rank
     HEARTBEAT = "heartbeat"    # a rank or agent is alive
+
+
+class Rejection(enum.Enum):
+    """Why a message was dropped (the collector counts each)."""
+
+    MALFORMED = "malformed"          # not health frames, or too large to check
+    BAD_SIGNATURE = "bad_signature"
+    INVALID = "invalid"              # signed, but a field is missing, mistyped or out of range
+    REPLAYED = "replayed"
+
+
+class WireError(ValueError):
+    """A message that must be dropped (bad signature, malformed, replayed)."""
+
+    def __init__(self, detail: str, reason: Rejection = Rejection.INVALID) -> None:
+        self.reason = reason
+        super().__init__(detail)
 
 
 def write_number(value: float | None) -> float | str | None:
@@ -38,16 +78,15 @@ def write_number(value: float | None) -> float | str | None:
 
 
 def read_number(value: object) -> float | None:
-    """The inverse of ``write_number`` (``float('nan')`` reads the strings back)."""
+    """The inverse of ``write_number``: a number, one of its three strings, or None."""
     if value is None:
         return None
-    if not isinstance(value, (int, float, str)):
-        raise WireError(f"not a number: {value!r}")
-    return float(value)
-
-
-class WireError(ValueError):
-    """A message that must be dropped (bad signature, malformed, replayed)."""
+    if isinstance(value, str) and value in _NON_FINITE:
+        return float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise WireError(f"not a number: {_shown(value)} (expected a number, 'nan', 'inf' "
+                    f"or '-inf')")
 
 
 @dataclass(frozen=True)
@@ -72,29 +111,141 @@ def encode(secret: str, envelope: Envelope) -> list[bytes]:
 
 
 def decode(secret: str, frames: Sequence[bytes]) -> Envelope:
+    """The verified, schema-checked envelope; ``WireError`` for anything else."""
     if len(frames) != 4 or frames[0] != PROTOCOL:
-        raise WireError("not an ft-launch health message")
+        raise WireError("not an ft-launch health message", Rejection.MALFORMED)
     _, kind, body, mac = frames
+    if max(len(kind), len(body), len(mac)) > MAX_FRAME_BYTES:
+        raise WireError(f"a frame exceeds {MAX_FRAME_BYTES} bytes", Rejection.MALFORMED)
     if not verify(secret, mac, PROTOCOL, kind, body):
-        raise WireError("bad signature")
+        raise WireError("bad signature", Rejection.BAD_SIGNATURE)
     try:
+        message_kind = MessageKind(kind.decode("ascii"))
         raw = json.loads(body)
-        return Envelope(MessageKind(kind.decode()), str(raw["sender"]), int(raw["seq"]),
-                        float(raw["sent"]), dict(raw["body"]))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise WireError(f"malformed body: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise WireError(f"malformed body: {str(exc)[:80]}") from None
+    fields = _mapping(raw, "message")
+    envelope = Envelope(message_kind, _name(fields.get("sender"), "sender"),
+                        _integer(fields.get("seq"), "seq", 0, MAX_SEQ),
+                        _finite(fields.get("sent"), "sent"), _mapping(fields.get("body"), "body"))
+    _BODY_SCHEMA[message_kind](envelope.body)
+    return envelope
+
+
+# ---------------------------------------------------------------------- schemas
+
+def _heartbeat(body: Mapping[str, Any]) -> None:
+    _integer(body.get("rank"), "body.rank", 0, MAX_RANK)
+
+
+def _metrics(body: Mapping[str, Any]) -> None:
+    _integer(body.get("rank"), "body.rank", 0, MAX_RANK)
+    _integer(body.get("step"), "body.step", 0, MAX_SEQ)
+    if "loss" not in body:
+        raise WireError("field 'body.loss' is missing (expected a number, 'nan', 'inf' or "
+                        "'-inf')")
+    for name in ("loss", "grad_norm", "step_time"):
+        try:
+            read_number(body.get(name))
+        except WireError as exc:
+            raise WireError(f"field 'body.{name}': {exc}") from None
+    if body.get("tokens") is not None:
+        _integer(body.get("tokens"), "body.tokens", 0, MAX_SEQ)
+
+
+def _report(body: Mapping[str, Any]) -> None:
+    """What ``ProfileReport.from_dict`` and ``DetectionMonitor.node_report`` read."""
+    _name(body.get("profile"), "body.profile")
+    _name(body.get("node"), "body.node")
+    _status(body.get("status"), "body.status")
+    for name in ("started", "duration"):
+        if name in body:
+            _finite(body[name], f"body.{name}")
+    results = body.get("results")
+    if not isinstance(results, list) or len(results) > MAX_RESULTS:
+        raise WireError(f"field 'body.results' must be a list of at most {MAX_RESULTS} "
+                        f"check results, got {_shown(results)}")
+    for index, result in enumerate(results):
+        where = f"body.results[{index}]"
+        checked = _mapping(result, where)
+        _name(checked.get("name"), f"{where}.name")
+        _status(checked.get("status"), f"{where}.status")
+        _text(checked.get("reason"), f"{where}.reason", MAX_TEXT_CHARS)
+        _mapping(checked.get("evidence", {}), f"{where}.evidence")
+
+
+_BODY_SCHEMA: dict[MessageKind, Callable[[Mapping[str, Any]], None]] = {
+    MessageKind.HEARTBEAT: _heartbeat, MessageKind.METRICS: _metrics,
+    MessageKind.REPORT: _report}
+_STATUSES = frozenset(s.value for s in CheckStatus)
+
+
+def _shown(value: object) -> str:
+    """A peer's value for an error message: short, whatever it is."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _mapping(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise WireError(f"field '{where}' must be a JSON object, got {_shown(value)}")
+    return value
+
+
+def _integer(value: object, where: str, low: int, high: int) -> int:
+    # bool is an int in Python, and 1.0 or "1" is not what a sender writes.
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise WireError(f"field '{where}' must be an integer {low}..{high}, "
+                        f"got {_shown(value)}")
+    return value
+
+
+def _finite(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        raise WireError(f"field '{where}' must be a finite number, got {_shown(value)}")
+    return float(value)
+
+
+def _text(value: object, where: str, limit: int) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise WireError(f"field '{where}' must be a string of at most {limit} characters, "
+                        f"got {_shown(value)}")
+    return value
+
+
+def _name(value: object, where: str) -> str:
+    text = _text(value, where, MAX_NAME_CHARS)
+    if not text or not text.isprintable():
+        raise WireError(f"field '{where}' must be a non-empty printable name, "
+                        f"got {_shown(value)}")
+    return text
+
+
+def _status(value: object, where: str) -> None:
+    if not isinstance(value, str) or value not in _STATUSES:
+        raise WireError(f"field '{where}' must be one of {sorted(_STATUSES)}, "
+                        f"got {_shown(value)}")
 
 
 class ReplayGuard:
     """Accepts each sender's messages only in increasing sequence order."""
 
-    def __init__(self) -> None:
-        self._last: dict[str, int] = {}
+    def __init__(self, max_senders: int = MAX_SENDERS) -> None:
+        self.max_senders = max_senders
+        self._last: OrderedDict[str, int] = OrderedDict()
 
     def accept(self, envelope: Envelope) -> bool:
-        if envelope.seq <= self._last.get(envelope.sender, -1):
+        last = self._last.get(envelope.sender)
+        if last is not None and envelope.seq <= last:
             return False
         self._last[envelope.sender] = envelope.seq
+        self._last.move_to_end(envelope.sender)
+        if len(self._last) > self.max_senders:
+            self._last.popitem(last=False)
         return True
 
 

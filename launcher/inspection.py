@@ -59,8 +59,17 @@ class NodeInspection:
         job_id, proc = found
         cancel_named_step(self.slurm, job_id or "", f"inspect-{node}", proc)
 
+    @property
+    def rejected_messages(self) -> dict[str, int]:
+        """Health messages dropped so far, by reason (``health.wire.Rejection``)."""
+        return dict(self.collector.rejections)
+
     def alarms(self) -> list[tuple[str, str]]:
-        """(node, reason) for each node whose newest report failed, once per node."""
+        """(node, reason) for each node whose newest report failed, once per node.
+
+        Never raises on what peers send: the collector hands over only verified
+        envelopes whose every field ``health.wire.decode`` checked, and counts
+        the rest in ``rejected_messages``."""
         found: list[tuple[str, str]] = []
         for envelope in self.collector.poll(0):
             report = report_from(envelope)

@@ -93,8 +93,9 @@ class FileDirectory:
             mac = bytes.fromhex(body["mac"])
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("ignoring unreadable peer record %s: %s", path, exc)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            # RecursionError: JSON nested deeper than the parser's stack.
+            log.warning("ignoring unreadable peer record %s: %s", path, str(exc)[:200])
             return None
         if record.replica_id != replica_id or body.get("job_id") != self._job \
                 or not verify(self._secret, mac, *self._parts(record)):

@@ -22,6 +22,8 @@ from typing import Any, Protocol, TypeVar
 
 import zmq
 
+from ftcore.logs import log_sampled
+
 from .wire import Codec
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class AgentLoop:
         self._codecs: dict[tuple[str, str], Codec] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.failed_steps = 0
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> AgentLoop:
@@ -190,11 +193,14 @@ class AgentLoop:
     def _guarded(self, node: Hosted, step: Callable[..., bool | None], *args: float) -> bool:
         """Run one step of one node. A bug that raises there is logged with its
         traceback and the input dropped (the core is pure, so the node's state
-        is as before); the other agents on this loop keep going."""
+        is as before); the other agents on this loop keep going. Sampled: input
+        that trips the bug again and again must not flood the log."""
         try:
             return bool(step(*args))
         except Exception:
-            log.exception("%s: quorum node %r failed; input dropped", self.name, node)
+            self.failed_steps += 1
+            log_sampled(log, self.failed_steps, "%s: quorum node %r failed; input dropped",
+                        self.name, node, level=logging.ERROR, exc_info=True)
             return False
 
     def _wake(self) -> None:

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from ftcore.errors import FatalError
 from ftcore.events import Event
+from ftcore.logs import log_sampled
 
 from . import events as ev
 from .core import decide, initial_state, next_deadline
@@ -44,7 +46,16 @@ from .state import (
     Send,
     TimerFired,
 )
-from .wire import BROADCAST, Codec, Envelope, Rejected, Rejection, ReplayGuard
+from .wire import (
+    BROADCAST,
+    MAX_ADDRESS_BYTES,
+    Codec,
+    Envelope,
+    Rejected,
+    Rejection,
+    ReplayGuard,
+    max_message_bytes,
+)
 
 if TYPE_CHECKING:
     from .loop import AgentLoop
@@ -58,8 +69,16 @@ _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+#: Messages ZeroMQ queues per connection before it stops reading from it (the
+#: backlog then waits in the sender's queue, which drops when full): a peer
+#: sends one or two messages per heartbeat and the loop drains the socket each
+#: wake-up, and one connection can make the ROUTER hold at most this many
+#: frames of ``max_message_bytes``.
+_RECV_HWM = 8
+#: A DEALER only sends; what a peer sends back to it is never read.
+_DEALER_MAX_RECEIVE = 4096
 _COUNTERS = ("sent", "received", "dropped_unreachable", "dropped_full", "dropped_by_fault",
-             *(f"rejected_{r.value}" for r in Rejection))
+             "dropped_oversize", *(f"rejected_{r.value}" for r in Rejection))
 
 Answer = Callable[[Quorum | BaseException], None]
 
@@ -142,6 +161,7 @@ class QuorumNode:
         self._used_at: dict[int, float] = {}
         self._sweep_at = math.inf
         self._loop: AgentLoop | None = None
+        self.max_message_bytes = max_message_bytes(len(self.voters))
 
     def __repr__(self) -> str:
         return f"QuorumNode(replica {self.replica_id} at {self.address or 'unbound'})"
@@ -161,6 +181,10 @@ class QuorumNode:
         """Bind and publish the address; messages queue until ``begin``."""
         sock = loop.context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Bounds what an unauthenticated peer can make this process buffer: a
+        # larger frame ends its connection before the MAC is ever checked.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, _RECV_HWM)
         sock.bind(f"tcp://{self.host}:{self.port or '*'}")
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.socket = sock
@@ -188,6 +212,14 @@ class QuorumNode:
 
     # ------------------------------------------------------------------ inputs
     def request(self, next_step: int, address: str, health: Health) -> None:
+        size = len(address.encode())
+        if size > MAX_ADDRESS_BYTES:  # every receiver would drop the announcements
+            self.on_answer(FatalError(
+                f"replica {self.replica_id} advertises a quorum address of {size} bytes; "
+                f"the quorum carries at most {MAX_ADDRESS_BYTES} per member",
+                hint="fewer ranks per replica, or raise quorum.wire.MAX_ADDRESS_BYTES "
+                     "on every replica", replica_id=self.replica_id, step=next_step))
+            return
         self.feed(QuorumRequested(next_step, address, health), time.monotonic())
 
     def report_commit_failure(self) -> None:
@@ -249,10 +281,8 @@ class QuorumNode:
     def _reject(self, exc: Rejected) -> None:
         name = f"rejected_{exc.reason.value}"
         self._counts[name] += 1
-        count = self._counts[name]
-        if count == 1 or count % 1000 == 0:
-            log.warning("replica %d dropped a quorum message (%s; %d so far)",
-                        self.replica_id, exc, count)
+        log_sampled(log, self._counts[name], "replica %d dropped a quorum message (%s)",
+                    self.replica_id, exc)
 
     def feed(self, event: Input, now: float) -> None:
         assert self.state is not None
@@ -320,6 +350,13 @@ class QuorumNode:
         to = action.to[0] if len(action.to) == 1 else BROADCAST
         data, mac = self.codec.seal(self.replica_id, to, self.incarnation, self._nonce,
                                     time.time(), self.address, action.message)
+        if len(data) > self.max_message_bytes:  # receivers would drop the connection
+            self._counts["dropped_oversize"] += 1
+            log_sampled(log, self._counts["dropped_oversize"], "replica %d cannot send a "
+                        "quorum message of %d bytes: receivers accept at most %d",
+                        self.replica_id, len(data), self.max_message_bytes,
+                        level=logging.ERROR)
+            return
         # A large broadcast is wrapped once and sent to everyone without
         # copying; small messages are cheaper copied (pyzmq's zero-copy path
         # costs more than a short memcpy). Plain ``send`` with int flags: the
@@ -361,6 +398,8 @@ class QuorumNode:
                 return None
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 1000)
+            sock.setsockopt(zmq.MAXMSGSIZE, _DEALER_MAX_RECEIVE)
+            sock.setsockopt(zmq.RCVHWM, 1)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.connect(record.address)

@@ -38,6 +38,27 @@ _KINDS = {kind.value: kind for kind in Kind}
 #: Verified broadcasts kept for the other agents of the same loop: one verify
 #: and one decode of a 1,000-member announcement per process, not per agent.
 _CACHE_SIZE = 32
+#: The longest address a member may announce. A replica advertises its ranks'
+#: endpoints there (``launcher.worker.protocol``, ~48 bytes a rank with IPv4
+#: addresses), so this allows ~1,300 ranks per replica; ``QuorumNode.request``
+#: refuses a longer one with a clear error.
+MAX_ADDRESS_BYTES = 64 * 1024
+#: The most one member adds to a message: a delta announcement may carry a
+#: removed id (4 bytes), an added entry (9 + address), a behind id and step
+#: (12), a join sequence (4) and another id and sequence (12); a full
+#: announcement carries less (17 + address + 12), a heartbeat's suspects 4.
+_PER_MEMBER_BYTES = 41 + MAX_ADDRESS_BYTES
+#: The header, the sender's own address (at most 64 KiB, a ``H`` field) and spare.
+_FIXED_BYTES = 128 * 1024
+
+
+def max_message_bytes(replicas: int) -> int:
+    """The largest frame a job of ``replicas`` replicas legitimately sends. The
+    ZeroMQ sockets end a connection that sends a larger one (``zmq.MAXMSGSIZE``)
+    before buffering it, so a peer cannot make a receiver hold a frame of any
+    size (3 replicas: 320 KiB; 1,000: 66 MB, where a real 1,000-member
+    announcement of 8-rank replicas is ~0.4 MB)."""
+    return _FIXED_BYTES + max(replicas, 1) * _PER_MEMBER_BYTES
 
 
 class Rejection(enum.Enum):
