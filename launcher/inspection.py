@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ftcore.config import HealthConfig
-from ftcore.slurm.client import SlurmBackend, cancel_named_step
+from ftcore.slurm.client import SlurmBackend, cancel_named_step, launch_logged
 from ftcore.slurm.commands import StepSpec
 from health.channel import Collector
 from health.inspection import node_alarm, report_from
@@ -48,9 +48,8 @@ class NodeInspection:
         spec = StepSpec(nodes=(node,), command=command, name=f"inspect-{node}",
                         job_id=job_id, overlap=True, kill_on_bad_exit=False,
                         extra_args=self.extra_args)
-        with (self.logs / f"inspect-{node}.log").open("ab") as out:
-            self.steps[node] = (job_id, self.slurm.launch_step(spec, env=self.env,
-                                                                stdout=out.fileno()))
+        self.steps[node] = (job_id, launch_logged(self.slurm, spec,
+                                                  self.logs / f"inspect-{node}", self.env))
 
     def unwatch(self, node: str) -> None:
         found = self.steps.pop(node, None)

@@ -22,7 +22,7 @@ from pathlib import Path
 from ftcore.config import Config, PromotionPath, StandbyMode
 from ftcore.errors import ExitCode, SlurmCommandError
 from ftcore.events import Event, EventLog, NodeDrained
-from ftcore.slurm.client import SlurmBackend, cancel_named_step
+from ftcore.slurm.client import SlurmBackend, cancel_named_step, launch_logged
 from ftcore.slurm.commands import StepSpec
 from ftcore.slurm.states import Disposition, node_disposition
 from health.drain_request import job_comment, write_request
@@ -110,12 +110,7 @@ class Supervisor:
 
     def _popen(self, spec: StepSpec, env: dict[str, str], log_name: str
                ) -> subprocess.Popen[bytes]:
-        """Launch ``spec``; its tasks write ``logs/<log_name>.log`` themselves (slurmstepd
-        opens it on their nodes): output forwarded through ``srun`` would block them
-        once srun's host, the batch host, is gone. srun's own messages go beside it."""
-        spec = replace(spec, output=str(self.logs / f"{log_name}.log"))
-        with (self.logs / f"{log_name}.srun.log").open("ab") as out:
-            return self.slurm.launch_step(spec, env=env, stdout=out.fileno())
+        return launch_logged(self.slurm, spec, self.logs / log_name, env)
 
     def launch_replica(self, replica_id: int, nodes: tuple[str, ...], how: str) -> None:
         for node in nodes:  # a node taken over from the pool: end its standby agent

@@ -11,6 +11,8 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Protocol
 
 from ..errors import SlurmCommandError
@@ -159,6 +161,16 @@ class SlurmCli:
 
     def set_comment(self, job_id: str, comment: str) -> None:
         self.run(commands.set_comment_argv(job_id, comment))
+
+
+def launch_logged(slurm: SlurmBackend, spec: StepSpec, log_base: Path,
+                  env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Launch ``spec``; its tasks write ``<log_base>.log`` themselves (slurmstepd opens
+    it on their nodes): output forwarded through ``srun`` would block them once srun's
+    host (the batch host) is gone. srun's own messages go to ``<log_base>.srun.log``."""
+    spec = replace(spec, output=f"{log_base}.log")
+    with Path(f"{log_base}.srun.log").open("ab") as out:
+        return slurm.launch_step(spec, env=env, stdout=out.fileno())
 
 
 def cancel_named_step(slurm: SlurmBackend, job_id: str, name: str,
