@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ftar.dtypes import f32_to_bf16
+from tests.waiting import patience
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
@@ -148,10 +149,11 @@ class Ring:
         for member, argument in zip(members, arguments):
             member.conn.send((command, argument))
         replies = []
+        wait = patience(timeout)
         for member in members:
-            if not member.conn.poll(timeout):
+            if not member.conn.poll(wait):
                 raise AssertionError(f"member {member.address} did not answer {command} "
-                                     f"within {timeout} s")
+                                     f"within {wait:.1f} s")
             replies.append(member.conn.recv())
         return replies
 

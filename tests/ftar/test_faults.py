@@ -12,9 +12,9 @@ import pytest
 
 from ftcore.ids import new_job_secret
 from tests.ftar.members import Fault, Reduce, Ring, reference
+from tests.waiting import patience
 
 TIMEOUT = 2.0
-MARGIN = 2.0
 CONFIG = {"chunk_bytes": 4096, "chunks_in_flight": 2, "timeout": TIMEOUT,
           "connect_timeout": 5.0}
 SIZE = 50_000          # float32: several partitions, so a fault lands mid-operation
@@ -49,7 +49,9 @@ def _fail_one(ring: Ring, victim: int, action: str) -> list[tuple]:
     survivors = [m for i, m in enumerate(members) if i != victim]
     replies = []
     for member in survivors:
-        assert member.conn.poll(TIMEOUT + MARGIN + 5), "a survivor hung"
+        # its bound (below) and a reconnect, stretched by the machine's load
+        assert member.conn.poll(patience(2 * TIMEOUT + CONFIG["connect_timeout"])), \
+            "a survivor hung"
         replies.append(member.conn.recv())
     return replies
 
@@ -62,7 +64,9 @@ def _assert_recoverable(replies: list[tuple], quorum_id: int) -> None:
         assert "recoverable" in message
         assert (step, quorum) == (7, quorum_id), message
         assert peer is not None and f"member {peer}" in message
-        assert elapsed < TIMEOUT + MARGIN, f"took {elapsed:.2f} s: {message}"
+        # a stopped member costs its neighbours one timeout; the abort notice carries
+        # it round the ring, so no survivor waits a second one
+        assert elapsed < 2 * TIMEOUT, f"took {elapsed:.2f} s: {message}"
 
 
 @pytest.mark.timeout(60)

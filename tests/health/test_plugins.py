@@ -12,6 +12,7 @@ import pytest
 
 from ftcore.errors import ExitCode
 from slurm_plugins.epilog import ended_badly
+from tests.waiting import patience
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -163,18 +164,34 @@ def test_gate_fails_only_its_step_and_runs_the_command_when_healthy(lab):
     assert json.loads((tmp_path / "gate.json").read_text())["status"] == "fail"
 
 
+#: What a hook may cost next to importing torch, both measured in the same run so that
+#: a loaded machine slows both alike. Seen idle and beside two busy processes: importing
+#: a hook 1/30 to 1/10 of importing torch, a whole hook run 1/15 to 1/6; a hook that
+#: imports torch, even lazily, costs all of it and more.
+HOOK_SHARE_OF_TORCH = 0.5
+
+
 @pytest.mark.parametrize("module", ["slurm_plugins.prolog", "slurm_plugins.epilog",
                                     "slurm_plugins.healthcheck", "slurm_plugins.gate"])
 def test_hooks_start_fast_and_never_import_torch(lab, module):
+    # slurmd runs these on every job and node: they must not pay for torch (seconds,
+    # GiBs of pages). Timed against importing torch right after, in the same
+    # interpreter, not against a fixed number of seconds.
     _, env = lab
     code = (f"import sys, time; t = time.perf_counter(); import {module}; "
-            "print(time.perf_counter() - t, 'torch' in sys.modules, 'numpy' in sys.modules)")
+            "hook = time.perf_counter() - t; loaded = 'torch' in sys.modules, "
+            "'numpy' in sys.modules; t = time.perf_counter(); import torch; "
+            "print(hook, time.perf_counter() - t, *loaded)")
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                          text=True, env=env,
-                          timeout=30)
-    seconds, torch, numpy = done.stdout.split()
+                          text=True, env=env, timeout=patience(30))
+    assert done.returncode == 0, done.stderr
+    hook_import, torch_import, torch, numpy = done.stdout.split()
     assert (torch, numpy) == ("False", "False")
-    assert float(seconds) < 0.5
-    start = time.perf_counter()
-    assert run(module, env, SLURM_JOB_ID="46").returncode == 0
-    assert time.perf_counter() - start < 1.0   # the whole run, interpreter start included
+    assert float(hook_import) < HOOK_SHARE_OF_TORCH * float(torch_import), done.stdout
+    runs = []
+    for _ in range(2):   # the faster of two: one run can be unlucky on a busy machine
+        start = time.perf_counter()
+        assert run(module, env, SLURM_JOB_ID="46").returncode == 0
+        runs.append(time.perf_counter() - start)
+    # the whole run, interpreter start included
+    assert min(runs) < HOOK_SHARE_OF_TORCH * float(torch_import), (runs, torch_import)

@@ -17,9 +17,14 @@ from typing import Any
 from ftcore.config import QuorumConfig
 from ftcore.ids import new_job_secret
 from launcher.quorum import FileDirectory, Quorum, QuorumAgent, QuorumStatus
-from tests.waiting import wait_until
+from tests.waiting import patience, wait_until
 
-from .helpers import FAST_CONFIG
+from .helpers import FAST_CONFIG, round_timeout
+
+#: A spawned member importing zmq and the agent: seconds on a busy machine.
+START_TIMEOUT = 60.0
+#: A command over the pipe and its reply: milliseconds, but the member may be descheduled.
+CALL_TIMEOUT = 10.0
 
 JOB = "quorum-test"
 
@@ -74,7 +79,7 @@ class Member:
         self.process.start()
         self.answers: dict[int, Any] = {}
         self.replies: list[Any] = []
-        self.address = self._expect("started", 60)[0]
+        self.address = self._expect("started", START_TIMEOUT)[0]
 
     def pump(self) -> None:
         while self.process.is_alive() and self.conn.poll():
@@ -92,7 +97,7 @@ class Member:
         self.replies.remove(found)
         return list(found[1:])
 
-    def call(self, kind: str, *args: Any, timeout: float = 10.0) -> Any:
+    def call(self, kind: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
         self.conn.send((kind, *args))
         reply = self._expect("status" if kind == "status" else
                              "stats" if kind == "stats" else "ok", timeout)
@@ -107,6 +112,7 @@ class Cluster:
         self.directory = tmp_path / "peers"
         self.secret = new_job_secret()
         self.config = config
+        self.round_timeout = round_timeout(config)
         self.members: dict[int, Member] = {}
         for r in range(running):
             self.start(r)
@@ -122,14 +128,15 @@ class Cluster:
     def status(self, replica_id: int) -> QuorumStatus:
         return self.members[replica_id].call("status")  # type: ignore[no-any-return]
 
-    def leader(self, among: list[int] | None = None, timeout: float = 15.0) -> int:
+    def leader(self, among: list[int] | None = None, timeout: float | None = None) -> int:
         """The leader that every member of ``among`` follows."""
         among = among or self.alive()
 
         def agreed() -> int | None:
             views = {self.status(r).leader_id for r in among}
             return views.pop() if len(views) == 1 and None not in views else None
-        wait_until(lambda: agreed() is not None, timeout, f"one leader among {among}")
+        wait_until(lambda: agreed() is not None, timeout or self.round_timeout,
+                   f"one leader among {among}")
         found = agreed()
         assert found is not None
         return found
@@ -139,15 +146,17 @@ class Cluster:
             self.members[r].answers.pop(step, None)
             self.members[r].conn.send(("quorum", step))
 
-    def answers(self, members: list[int], step: int, timeout: float = 15.0) -> dict[int, Any]:
+    def answers(self, members: list[int], step: int,
+                timeout: float | None = None) -> dict[int, Any]:
         def complete() -> bool:
             for r in members:
                 self.members[r].pump()
             return all(step in self.members[r].answers for r in members)
-        wait_until(complete, timeout, f"answers for step {step} from {members}")
+        wait_until(complete, timeout or self.round_timeout,
+                   f"answers for step {step} from {members}")
         return {r: self.members[r].answers[step] for r in members}
 
-    def round(self, members: list[int], step: int, timeout: float = 15.0) -> Quorum:
+    def round(self, members: list[int], step: int, timeout: float | None = None) -> Quorum:
         """One round in which every member of ``members`` must get the same quorum."""
         self.ask(members, step)
         got = self.answers(members, step, timeout)
@@ -157,26 +166,51 @@ class Cluster:
         assert isinstance(quorum, Quorum), f"not a quorum: {quorum}"
         return quorum
 
+    def first_round(self, members: list[int], step: int = 1) -> Quorum:
+        """The first round, with every member of ``members`` in it. Started one
+        after another, a member may be unknown to the leader when the others
+        have joined: the leader forms without it (everyone it knows of joined)
+        and its join waits for the next round. Then everyone asks again for the
+        same step, as a replica does after a timeout, until one round has all."""
+        return self.settled_round(members, step, expect=members, same_step=True)
+
     def settled_round(self, members: list[int], step: int, expect: list[int],
-                      timeout: float = 30.0) -> Quorum:
+                      timeout: float | None = None, *, same_step: bool = False) -> Quorum:
         """Rounds until one has exactly ``expect`` as members. Right after a
         fault a round may still wait out timeouts, fail fast, or leave a late
-        member alone in the next window: then everyone asks again, next step."""
-        deadline = time.monotonic() + timeout
-        attempt = 2 * (self.config.join_timeout + self.config.member_timeout)
-        while True:
-            self.ask(members, step)
-            try:
-                got = self.answers(members, step, attempt)
-            except AssertionError:
-                got = {r: self.members[r].answers.get(step) for r in members}
-            quorums = set(got.values())
-            if len(quorums) == 1:
-                [quorum] = quorums
-                if isinstance(quorum, Quorum) and list(quorum.replica_ids) == expect:
-                    return quorum
-            assert time.monotonic() < deadline, f"no quorum of {expect}: {got}"
-            step += 1
+        member alone in the next window: then everyone asks again, next step
+        (or ``same_step``). A member left out will not be answered until the
+        others join again, so a round that left one out is retried at once;
+        one that is merely slow gets a round's own timeouts, stretched by load."""
+        wanted = tuple(expect)
+        slow = 2 * (self.config.join_timeout + self.config.member_timeout)
+        current, asked_at, wait = step, 0.0, 0.0
+
+        def ask(at_step: int) -> None:
+            nonlocal current, asked_at, wait
+            self.ask(members, at_step)
+            current, asked_at, wait = at_step, time.monotonic(), patience(slow)
+
+        def settled() -> Quorum | None:
+            for r in members:
+                self.members[r].pump()
+            got = [self.members[r].answers.get(current) for r in members]
+            first = got[0]
+            if isinstance(first, Quorum) and first.replica_ids == wanted and \
+                    all(q == first for q in got):
+                return first
+            left_out = any(isinstance(q, Quorum) and not set(wanted) <= set(q.replica_ids)
+                           for q in got)
+            if left_out or None not in got or time.monotonic() - asked_at > wait:
+                ask(current if same_step else current + 1)
+            return None
+        ask(step)
+        try:
+            return wait_until(settled, timeout or 2 * self.round_timeout,
+                              f"a round of exactly {expect} among {members}")
+        except AssertionError as error:
+            last = {r: self.members[r].answers.get(current) for r in members}
+            raise AssertionError(f"{error}; step {current} answers: {last}") from None
 
     def partition(self, side: list[int]) -> None:
         """Drop all traffic between ``side`` and the other running members."""

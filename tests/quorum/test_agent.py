@@ -23,9 +23,9 @@ from launcher.quorum import (
     Role,
     StaticDirectory,
 )
-from tests.waiting import wait_until
+from tests.waiting import patience, wait_until
 
-from .helpers import FAST_CONFIG
+from .helpers import FAST_CONFIG, round_timeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,14 +43,15 @@ def trio() -> Iterator[list[QuorumAgent]]:
 
 def one_round(agents: list[QuorumAgent], step: int) -> list:
     futures = [a.request_quorum(step) for a in agents]
-    return [f.result(10) for f in futures]
+    return [f.result(patience(round_timeout(a.config))) for a, f in zip(agents, futures)]
 
 
 def leader_of(agents: list[QuorumAgent]) -> int:
     def agreed() -> int | None:
         views = {a.status().leader_id for a in agents}
         return views.pop() if len(views) == 1 and None not in views else None
-    found = wait_until(lambda: agreed() is not None, 10, "a leader everyone follows")
+    found = wait_until(lambda: agreed() is not None, round_timeout(agents[0].config),
+                       "a leader everyone follows")
     assert found
     leader = agreed()
     assert leader is not None
@@ -145,7 +146,7 @@ def test_leadership_transfer(trio: list[QuorumAgent]) -> None:
     leader = leader_of(trio)
     target = (leader + 1) % 3
     trio[leader].transfer_leadership(target)
-    wait_until(lambda: leader_of(trio) == target, 10, "the hand-over")
+    wait_until(lambda: leader_of(trio) == target, round_timeout(FAST_CONFIG), "the hand-over")
     assert trio[target].status().role is Role.LEADER
     assert one_round(trio, 1)[0].leader_id == target
 
@@ -184,7 +185,7 @@ def test_a_failing_node_does_not_stop_its_loop() -> None:
     try:
         loop.call(lambda: loop.add(broken))
         agent = QuorumAgent(0, [0], {}, new_job_secret(), FAST_CONFIG, loop=loop).start()
-        assert agent.get_quorum(1, timeout=10).replica_ids == (0,)
+        assert agent.get_quorum(1, timeout=patience(round_timeout(FAST_CONFIG))).replica_ids == (0,)
         assert broken.calls >= 1 and loop.running
         agent.stop()
     finally:

@@ -39,8 +39,28 @@ def check_run(job: LocalJob, steps: int) -> list[int]:
     return list(summary.positions)
 
 
-def max_gap(events: list, start_step: int = 1) -> float:
-    """Longest wall-clock gap between consecutive commits (from ``start_step``)."""
+#: Slack in a stall bound, in this run's own steps: whatever else a recovery costs
+#: (a step redone, the newcomer's catch-up served), as slow as the machine is now.
+STALL_SLACK_STEPS = 50
+
+
+def commit_gaps(events: list, start_step: int = 1) -> list[float]:
+    """Wall-clock gaps between consecutive commits (from ``start_step``), sorted."""
     times = sorted(e.time for e in events if type(e).__name__ == "StepCommitted"
                    and e.step >= start_step)
-    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+    return sorted(b - a for a, b in itertools.pairwise(times))
+
+
+def max_gap(events: list, start_step: int = 1) -> float:
+    """Longest wall-clock gap between consecutive commits (from ``start_step``)."""
+    return max(commit_gaps(events, start_step), default=0.0)
+
+
+def stall_bound(detection_s: float, events: list) -> float:
+    """The longest pause a healthy replica may take over a fault: the detection the
+    config allows (``detection_s``), twice over, and ``STALL_SLACK_STEPS`` of the
+    replica's median step in the same run, so that a loaded machine, which slows
+    every step, widens the bound and an idle one keeps it tight."""
+    gaps = commit_gaps(events)
+    assert gaps, "no steps to measure"
+    return 2 * detection_s + STALL_SLACK_STEPS * gaps[len(gaps) // 2]

@@ -11,20 +11,30 @@ import signal
 import pytest
 
 from launcher.worker.local import LocalJob
-from tests.waiting import wait_until
+from tests.waiting import patience, wait_until
 
-from .harness import check_run, loopback_job, max_gap
+from .harness import check_run, loopback_job, max_gap, stall_bound
 
 pytestmark = [pytest.mark.timeout(240)]
 
-# Detection bound for healthy replicas: member timeout + join window + a step,
-# with slack for a loaded 2-core machine.
-STALL_BOUND_S = 1.0 + 1.0 + 4.0
 LONG_RUN = 400
 
 
+def detection(job: LocalJob) -> float:
+    """How long a healthy replica takes to go on without a lost one, by the job's
+    config: the quorum notices (member timeout) and forms anew (join window)."""
+    return (float(job.config_env["FTL_QUORUM_MEMBER_TIMEOUT"])
+            + float(job.config_env["FTL_QUORUM_JOIN_TIMEOUT"]))
+
+
+def assert_kept_stepping(job: LocalJob, replica: int) -> None:
+    events = job.events(replica)
+    gap, bound = max_gap(events), stall_bound(detection(job), events)
+    assert gap < bound, f"replica {replica} stalled {gap:.1f} s (bound {bound:.1f} s)"
+
+
 def finish_and_check(job: LocalJob, steps: int, timeout: float = 180) -> dict[int, dict]:
-    codes = job.wait_all(timeout)
+    codes = job.wait_all(patience(timeout))
     assert all(code == 0 for code in codes.values()), {r: job.log(r)[-3000:] for r in codes}
     finals = job.finals()
     hashes = {f["state_sha256"] for f in finals.values()}
@@ -70,7 +80,7 @@ def test_killed_replica_restarts_catches_up_and_nothing_is_lost(tmp_path, point)
     finally:
         job.stop_everything()
     for healthy in (0, 2):
-        assert max_gap(job.events(healthy)) < STALL_BOUND_S
+        assert_kept_stepping(job, healthy)
         factors = {(e.contributors, round(e.lr_factor, 9)) for e in job.committed(healthy)}
         assert (2, round(math.sqrt(2 / 3), 9)) in factors  # sqrt LR scaling while degraded
     rejoined = [e for e in job.committed(1) if e.caught_up]
@@ -104,7 +114,7 @@ def test_two_replicas_fail_at_once(tmp_path):
     finally:
         job.stop_everything()
     assert any(e.contributors == 3 for e in job.committed(0))
-    assert max_gap(job.events(0)) < STALL_BOUND_S
+    assert_kept_stepping(job, 0)
 
 
 def hang_resume_and_finish(job: LocalJob, point: str, last_committed: int) -> None:
@@ -128,7 +138,8 @@ def test_a_replica_hung_mid_allreduce_is_dropped_within_the_quorum_timeout(tmp_p
     job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, ranks=ranks,
                        FTL_FTAR_TIMEOUT="60")
     hang_resume_and_finish(job, "mid_allreduce", last_committed=9)
-    assert all(max_gap(job.events(healthy)) < STALL_BOUND_S for healthy in (0, 1))
+    for healthy in (0, 1):
+        assert_kept_stepping(job, healthy)
     # A survivor whose ring still needed the hung replica's frames gave up on the
     # quorum's word (the other may have had them all and committed).
     discarded = [e for healthy in (0, 1) for e in job.events(healthy)
@@ -140,7 +151,7 @@ def test_hung_replica_is_dropped_then_rejoins(tmp_path):
     job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN)
     hang_resume_and_finish(job, "after_commit", last_committed=10)
     assert any(e.caught_up for e in job.committed(2))
-    assert max_gap(job.events(0)) < STALL_BOUND_S
+    assert_kept_stepping(job, 0)
 
 
 def test_replicas_of_two_ranks_stay_identical_through_a_replica_failure(tmp_path):
