@@ -79,8 +79,10 @@ class ReservationPool:
         self.holder.update({n: job_id for n in nodes})
         return nodes
 
-    def job_of(self, node: str) -> str:
-        return self.holder[node]
+    def job_of(self, node: str) -> str | None:
+        """The standby job holding ``node``; None for a node of the main job (the batch
+        host is a standby there too)."""
+        return self.holder.get(node)
 
     def move_to_main(self, node: str) -> None:
         """Expansion path: take ``node`` out of its standby job into the main job."""

@@ -137,7 +137,7 @@ class Supervisor:
         command = (sys.executable, "-m", "slurm_plugins.gate", "--",
                    sys.executable, "-m", "launcher.standby", "--run-dir", str(self.run_dir),
                    "--node", node, "--", *self.plan.command)
-        job_id = self.pool.job_of(node) if self.pool else self.plan.job_id
+        job_id = (self.pool.job_of(node) if self.pool else None) or self.plan.job_id
         spec = StepSpec(nodes=(node,), command=command, tasks_per_node=self.plan.tasks_per_node,
                         name=f"standby-{node}", job_id=job_id,
                         extra_args=self.config.slurm.srun_extra_args)
@@ -167,8 +167,8 @@ class Supervisor:
 
     def run(self) -> int:
         heartbeat = HeartbeatWriter(self.run_dir, self.config.runtime.controller_timeout).start()
-        self.start()
         try:
+            self.start()     # inside: what a failed start launched is stopped too
             while True:
                 code = self.poll()
                 if code is not None:
@@ -449,7 +449,7 @@ class Supervisor:
                                                 watched.job_id)
             self._restarted(replica_id)
             how = "warm agent in the allocation"
-            if self.pool is not None:
+            if self.pool is not None and node in self.pool.holder:
                 self.pool.promoted_in_place(node)
                 how = f"warm agent in standby job {watched.job_id}"
             self.events.emit(StandbyPromoted(replica_id=replica_id, node=node, how=how))
