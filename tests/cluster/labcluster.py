@@ -309,14 +309,25 @@ def configure(hooks: Hooks) -> ClusterState:
 
 
 def kill_node(node: str) -> list[int]:
-    """Crash a whole node: SIGKILL every process in its network namespace."""
-    pids = namespace_pids(node)
+    """Crash a whole node: every process in its network namespace stops at once, then
+    dies. Stopped first (SIGSTOP) so that none of them sees another die and acts on it
+    (a controller reaping its dead srun clients would cancel their steps), as no process
+    can when a real node loses power."""
+    pids: list[int] = []
+    while fresh := [pid for pid in namespace_pids(node) if pid not in pids]:
+        for pid in fresh:            # again for any forked while the first were stopped
+            _signal(pid, signal.SIGSTOP)
+        pids += fresh
     for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal(pid, signal.SIGKILL)
     return pids
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def revive_node(node: str) -> int:

@@ -98,8 +98,10 @@ class Training:
         return nodes[:count]
 
     def standby_nodes(self) -> list[str]:
+        """The job's standby nodes in promotion order: the batch host last."""
+        job = self.cluster.slurm.job(self.job_id)
         used = set(self.replica_nodes().values())
-        return [n for n in self.cluster.slurm.job(self.job_id).nodes if n not in used]
+        return sorted((n for n in job.nodes if n not in used), key=lambda n: n == job.batch_host)
 
     def wait_promoted(self, count: int) -> list:
         return wait_until(lambda: (p := self.events(controller_events.StandbyPromoted))
