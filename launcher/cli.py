@@ -27,9 +27,9 @@ from ftcore.slurm.hostlist import compress, expand
 
 from .ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_size
 from .heartbeat import heartbeat_path
-from .plan import LaunchPlan, plan_allocation
+from .plan import JOB_FLAGS, LaunchPlan, plan_allocation
 from .report import status_text, summarize
-from .submit import submit
+from .submit import release_allocation, submit
 from .supervisor import Supervisor
 from .timeline import render_timeline
 from .versions import write_update_request
@@ -44,9 +44,6 @@ from .worker.identity import (
 
 log = logging.getLogger(__name__)
 
-#: Shortcut flags of ``plan``/``run`` and the config keys they set.
-JOB_FLAGS = {"replicas": "job.replicas", "nodes_per_replica": "job.nodes_per_replica",
-             "tasks_per_node": "job.tasks_per_node", "standby": "job.standby"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,8 +236,7 @@ def command_run(args: argparse.Namespace, config: Config) -> int:
     try:
         return _run(args, config, slurm)
     finally:
-        slurm.cancel_job(args.jobid)
-        log.info("allocation %s released", args.jobid)
+        release_allocation(slurm, args.jobid)
 
 
 def command_submit(args: argparse.Namespace, config: Config) -> int:

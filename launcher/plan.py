@@ -13,6 +13,10 @@ from ftcore.slurm.commands import StepSpec, srun_argv
 ENV_REPLICA_ID = "FTLAUNCH_REPLICA_ID"
 ENV_NUM_REPLICAS = "FTLAUNCH_NUM_REPLICAS"
 
+#: Shortcut flags of ``plan``/``run``/``submit`` and the config keys they set.
+JOB_FLAGS = {"replicas": "job.replicas", "nodes_per_replica": "job.nodes_per_replica",
+             "tasks_per_node": "job.tasks_per_node", "standby": "job.standby"}
+
 
 @dataclass(frozen=True)
 class ReplicaPlacement:

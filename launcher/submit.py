@@ -13,6 +13,7 @@ dies the workers save the newest state and requeue the job instead: see
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -23,10 +24,9 @@ from ftcore.config import Config, StandbyMode
 from ftcore.errors import SlurmCommandError, UsageError
 from ftcore.slurm.client import SlurmCli
 
-from .plan import plan_allocation
+from .plan import JOB_FLAGS, plan_allocation
 
-#: ``run``'s job flags and their argparse attribute names (``cli.JOB_FLAGS``).
-_JOB_FLAG_NAMES = ("replicas", "nodes_per_replica", "tasks_per_node", "standby")
+log = logging.getLogger(__name__)
 
 
 def nodes_needed(config: Config) -> int:
@@ -52,7 +52,7 @@ def controller_argv(args: argparse.Namespace, job_id: str, command: Sequence[str
     for override in args.overrides:
         argv += ["--set", override]
     argv += ["run", "--jobid", job_id, "--release-allocation"]
-    for name in _JOB_FLAG_NAMES:
+    for name in JOB_FLAGS:
         value = getattr(args, name, None)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
@@ -82,15 +82,18 @@ def submit(args: argparse.Namespace, config: Config, command: tuple[str, ...],
                                           stderr=subprocess.STDOUT, start_new_session=True,
                                           cwd=os.getcwd())
     except OSError as error:
-        _release(slurm, job_id)
+        release_allocation(slurm, job_id)
         raise UsageError(f"cannot start the controller for job {job_id}: {error}",
                          hint="the allocation was cancelled") from None
     return job_id, run_dir, controller.pid
 
 
-def _release(slurm: SlurmCli, job_id: str) -> None:
+def release_allocation(slurm: SlurmCli, job_id: str) -> None:
+    """Cancel an allocation made for this run; if that fails, say how to do it by hand
+    (never replace the run's own outcome with this error)."""
     try:
         slurm.cancel_job(job_id)
+        log.info("allocation %s released", job_id)
     except SlurmCommandError as error:
-        sys.stderr.write(f"ft-launch submit: cancel job {job_id} yourself (scancel "
+        sys.stderr.write(f"ft-launch: cancel job {job_id} yourself (scancel "
                          f"{job_id}): {error}\n")

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 from ftcore.errors import SlurmCommandError
 from ftcore.slurm.client import SlurmBackend
+from ftcore.slurm.states import JobState
 
 log = logging.getLogger(__name__)
 
 #: Job states in which the job still holds its allocation and trains.
-_RUNNING = ("RUNNING", "SUSPENDED")
+_RUNNING = (JobState.RUNNING, JobState.SUSPENDED)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def job_still_running(slurm: SlurmBackend, job_id: str) -> bool:
     except SlurmCommandError as error:
         log.warning("cannot read job %s: %s", job_id, error)
         return True
-    return info is not None and info.state.value in _RUNNING
+    return info is not None and info.state in _RUNNING
 
 
 def wait_job_ended(slurm: SlurmBackend, job_id: str, timeout: float,
