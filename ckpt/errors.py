@@ -45,6 +45,25 @@ class PlacementError(FatalError):
     """No backup rank satisfies the placement rules for this topology."""
 
 
+class LayoutMismatchError(FatalError):
+    """A state sharded one way cannot load into a model sharded another (or not at all).
+
+    A configuration error, not a transient one: the replica was started with a
+    different mesh or number of ranks than the one whose state it loads, and
+    no retry or other peer of that replica size can fix it. ``stored`` and
+    ``live`` are the two ``layout`` records (``ckpt.manifest``; ``{}``: unsharded).
+    """
+
+    def __init__(self, difference: str, *, stored: Any = None, live: Any = None,
+                 **ids: Any) -> None:
+        self.stored = stored or {}
+        self.live = live or {}
+        super().__init__(f"the checkpoint's sharding does not match the live model's: "
+                         f"{difference}",
+                         hint="start the replica with the same mesh / ranks per replica as "
+                              "the replica it catches up from", **ids)
+
+
 class StorageError(RecoverableError):
     """Writing a checkpoint failed for a reason that may pass (disk full, I/O error).
 

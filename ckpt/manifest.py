@@ -12,10 +12,21 @@ at 4.2 GB/s; position-weighted 64-bit sums in numpy ran at 5-7 GB/s (no faster)
 and plain row/column sums (14 GB/s) miss equal-sum blocks swapped between rows;
 xxhash is not available. A snapshot's CRCs are computed when it is first used
 (``with_checksums`` via ``DualBuffer.lease``), not on every step: see ``snapshot``.
+
+A rank of a sharded model (FSDP2, DTensor) holds only its local shards; its
+manifest's shapes are the local shapes and ``meta["layout"]`` says how they sit
+in the global tensors (``build_layout``, compared by ``layout_difference``)::
+
+    {"meshes": [{"shape": [2], "dim_names": ["dp"], "coordinate": [0]}],
+     "tensors": {"model/0.weight": {"mesh": 0, "placements": ["Shard(dim=0)"],
+                                    "global_shape": [16, 8], "local_shape": [8, 8]}}}
+
+Only sharded tensors have an entry; a state without any has no ``layout``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import zlib
@@ -202,7 +213,20 @@ def validate(manifest: Manifest) -> list[str]:
         problems.extend(_spec_problems(spec, manifest.total_bytes, end, seen))
         seen.add(spec.name)
         end = spec.offset + spec.nbytes
-    return problems
+    return problems + _layout_problems(manifest)
+
+
+def _layout_problems(manifest: Manifest) -> list[str]:
+    """A ``layout`` that cannot be read or names tensors the manifest lacks or
+    holds in another shape."""
+    try:
+        shards = layout_shards(manifest.meta.get("layout"))
+    except ManifestError as exc:
+        return [exc.message]
+    shapes = {spec.name: spec.shape for spec in manifest.tensors}
+    return [f"layout of tensor {name!r} says local shape {list(info.local_shape)}, the "
+            f"manifest {list(shapes[name]) if name in shapes else 'has no such tensor'}"
+            for name, info in shards.items() if shapes.get(name) != info.local_shape]
 
 
 def _spec_problems(spec: TensorSpec, total: int, previous_end: int,
@@ -291,3 +315,117 @@ def _has_nonfinite(spec: TensorSpec, buffer: Bytes) -> bool:
 def descs_of(arrays: Mapping[str, npt.NDArray[Any]]) -> list[TensorDesc]:
     """Descriptions of plain numpy arrays (dtype names are numpy's)."""
     return [TensorDesc(name, np.dtype(a.dtype).name, tuple(a.shape)) for name, a in arrays.items()]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """How one tensor of a rank's state is sharded (what ``layout`` records for it).
+
+    ``placements`` are the placements' reprs (``"Shard(dim=0)"``, ``"Replicate()"``);
+    ``coordinate`` is this rank's place in the mesh, so two ranks hold the same
+    shard only if their coordinates agree too.
+    """
+
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    coordinate: tuple[int, ...]
+    placements: tuple[str, ...]
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+    def same_shard(self, other: ShardInfo) -> bool:
+        """True when both hold the same bytes of the same global tensor. Dimension
+        names are labels only: a mesh named otherwise shards the same way."""
+        return (self.mesh_shape, self.coordinate, self.placements, self.global_shape,
+                self.local_shape) == (other.mesh_shape, other.coordinate, other.placements,
+                                      other.global_shape, other.local_shape)
+
+    def describe(self) -> str:
+        return (f"{'/'.join(self.placements)} on mesh {list(self.mesh_shape)} at "
+                f"{list(self.coordinate)} (global {list(self.global_shape)}, "
+                f"local {list(self.local_shape)})")
+
+
+Layout = dict[str, Any]
+
+
+def build_layout(shards: Mapping[str, ShardInfo]) -> Layout:
+    """The JSON ``layout`` of a state's sharded tensors (empty mappings if none)."""
+    meshes: list[dict[str, Any]] = []
+    tensors: dict[str, Any] = {}
+    for name, info in shards.items():
+        mesh = {"shape": list(info.mesh_shape), "coordinate": list(info.coordinate),
+                "dim_names": None if info.mesh_dim_names is None else list(info.mesh_dim_names)}
+        if mesh not in meshes:
+            meshes.append(mesh)
+        tensors[name] = {"mesh": meshes.index(mesh), "placements": list(info.placements),
+                         "global_shape": list(info.global_shape),
+                         "local_shape": list(info.local_shape)}
+    return {"meshes": meshes, "tensors": tensors}
+
+
+def layout_shards(layout: Mapping[str, Any] | None) -> dict[str, ShardInfo]:
+    """The per-tensor view of a ``layout`` (None: a state with no sharded tensor)."""
+    if not layout:
+        return {}
+    try:
+        meshes = list(layout["meshes"])
+        shards = {}
+        for name, entry in dict(layout["tensors"]).items():
+            mesh = meshes[int(entry["mesh"])]
+            names = mesh.get("dim_names")
+            shards[str(name)] = ShardInfo(
+                mesh_shape=tuple(int(d) for d in mesh["shape"]),
+                mesh_dim_names=None if names is None else tuple(str(n) for n in names),
+                coordinate=tuple(int(c) for c in mesh["coordinate"]),
+                placements=tuple(str(p) for p in entry["placements"]),
+                global_shape=tuple(int(d) for d in entry["global_shape"]),
+                local_shape=tuple(int(d) for d in entry["local_shape"]))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ManifestError(f"unreadable sharding layout in a checkpoint manifest: "
+                            f"{exc!r}") from None
+    return shards
+
+
+def layout_difference(stored: Mapping[str, Any] | None, live: Mapping[str, Any] | None, *,
+                      stored_shapes: Mapping[str, Sequence[int]] | None = None,
+                      live_shapes: Mapping[str, Sequence[int]] | None = None) -> str | None:
+    """The first tensor sharded differently in ``stored`` and ``live``, with both
+    sides and both meshes, as a sentence; None if every tensor agrees. A tensor
+    missing from one layout is plain (unsharded) there; ``*_shapes`` give the
+    shapes of plain tensors, for the sentence only."""
+    old, new = layout_shards(stored), layout_shards(live)
+    for name in [*old, *(n for n in new if n not in old)]:
+        before, after = old.get(name), new.get(name)
+        if before is None or after is None or not before.same_shard(after):
+            return (f"tensor {name!r} was saved {_shard_text(before, name, stored_shapes)} "
+                    f"but is live {_shard_text(after, name, live_shapes)}; stored meshes: "
+                    f"{_meshes_text(stored)}, live meshes: {_meshes_text(live)}")
+    return None
+
+
+def layout_digest(layout: Mapping[str, Any] | None) -> str:
+    """A short fingerprint of what ``layout_difference`` compares, for ranks to
+    exchange (rank r of one replica must match rank r of the one it catches up
+    from: the coordinate is part of it)."""
+    shards = layout_shards(layout)
+    canonical = [[name, list(s.mesh_shape), list(s.coordinate), list(s.placements),
+                  list(s.global_shape), list(s.local_shape)] for name, s in sorted(shards.items())]
+    text = json.dumps(canonical, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _shard_text(info: ShardInfo | None, name: str,
+                shapes: Mapping[str, Sequence[int]] | None) -> str:
+    if info is not None:
+        return info.describe()
+    shape = (shapes or {}).get(name)
+    return "plain (unsharded)" + ("" if shape is None else f" {list(shape)}")
+
+
+def _meshes_text(layout: Mapping[str, Any] | None) -> str:
+    meshes = list((layout or {}).get("meshes", []))
+    if not meshes:
+        return "none (unsharded)"
+    return ", ".join(f"{list(m['shape'])}" + (f" ({', '.join(m['dim_names'])})"
+                                              if m.get("dim_names") else "") for m in meshes)

@@ -28,6 +28,18 @@ What changes for a user:
   and that step's snapshot is skipped, as a copying snapshot would skip it;
 * CPU parameters only: on CUDA the copy is already off the critical path.
 
+Sharded parameters (FSDP2, DTensor) work the same on their local shards: the
+homes are the local tensors, the step reads and writes ``p.to_local()`` and
+``p.grad.to_local()``. FSDP2 all-gathers a parameter from a padded buffer of its
+own, not from the DTensor, so after each move it is told where the shard now
+lives: ``FSDPParam.reset_sharded_param``, the hook torch itself runs after
+``load_state_dict``. That is private torch API (checked against torch 2.13);
+``Residency`` raises ``TypeError`` if it is missing, and the caller falls back to
+a copying snapshot. A shard FSDP2 must pad (dim 0 not divisible by the mesh
+size) or pin (CPU offload with pinned memory) is re-copied by that hook into
+private memory after each step, so it is snapshotted by copy like any other
+tensor outside the buffer: correct, only not resident (logged once).
+
 The numbers are those of ``torch.optim.Adam`` / ``AdamW`` (``foreach=False``):
 the same kernels in the same order, bit for bit (tested).
 """
@@ -35,6 +47,7 @@ the same kernels in the same order, bit for bit (tested).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -42,7 +55,15 @@ import torch
 
 from .errors import SnapshotFailedError
 from .snapshot import DualBufferSnapshotter
-from .torch_state import MODEL, OPTIM, TorchStateSource, as_tensor
+from .torch_state import (
+    MODEL,
+    OPTIM,
+    TorchStateSource,
+    as_tensor,
+    is_sharded,
+    local_tensor,
+    sharded_like,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +104,8 @@ class ResidentAdam(torch.optim.Optimizer):
                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         self.homes: HomeFinder | None = None
+        #: Called after a step that moved parameters to new homes (``Residency``).
+        self.moved: Callable[[], None] | None = None
 
     def params_in_order(self) -> list[torch.Tensor]:
         """Parameters in ``state_dict`` order (its integer state keys index this list)."""
@@ -106,6 +129,8 @@ class ResidentAdam(torch.optim.Optimizer):
                         _move_home(p, state, home, copy=True)
                     continue
                 self._update(group, p, state, home)
+        if homes is not None and self.moved is not None:
+            self.moved()
         return loss
 
     @staticmethod
@@ -114,9 +139,10 @@ class ResidentAdam(torch.optim.Optimizer):
         """torch's single-tensor Adam, with every result written to ``home``."""
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         weight_decay = group["weight_decay"]
-        param, grad = p.detach(), p.grad
-        assert grad is not None  # step() skips parameters without one
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        assert p.grad is not None  # step() skips parameters without one
+        # Local shards of sharded tensors: the same element-wise kernels, per rank.
+        param, grad = local_tensor(p), local_tensor(p.grad)
+        exp_avg, exp_avg_sq = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
         out_param, out_avg, out_sq = home if home is not None else (param, exp_avg, exp_avg_sq)
         state["step"] += 1
         if weight_decay != 0:
@@ -146,12 +172,24 @@ def _move_home(p: torch.Tensor, state: dict[str, Any], home: Home, *, copy: bool
     """Point the parameter and its moments at ``home`` (copying them there first)."""
     new_param, new_avg, new_sq = home
     if copy:
-        for old, new in ((p.detach(), new_param), (state["exp_avg"], new_avg),
+        for old, new in ((p, new_param), (state["exp_avg"], new_avg),
                          (state["exp_avg_sq"], new_sq)):
-            if old.data_ptr() != new.data_ptr():
-                new.copy_(old)
-    p.data = new_param
-    state["exp_avg"], state["exp_avg_sq"] = new_avg, new_sq
+            old_local = local_tensor(old)
+            if old_local.data_ptr() != new.data_ptr():
+                new.copy_(old_local)
+    _rebind(p, new_param)
+    state["exp_avg"] = sharded_like(state["exp_avg"], new_avg)
+    state["exp_avg_sq"] = sharded_like(state["exp_avg_sq"], new_sq)
+
+
+def _rebind(p: torch.Tensor, local: torch.Tensor) -> None:
+    """Make ``local`` the memory of parameter ``p`` (its local shard if sharded)."""
+    if not is_sharded(p):
+        p.data = local
+    elif p._local_tensor is not local:  # type: ignore[attr-defined]
+        # A DTensor's bytes are its _local_tensor (``.data`` would not reach
+        # them); FSDP2 rebinds it the same way in reset_sharded_param.
+        p._local_tensor = local  # type: ignore[attr-defined]
 
 
 class Residency:
@@ -161,6 +199,11 @@ class Residency:
     ``scheduler`` and ``rng`` must be what every snapshot of this state is
     built with (``source`` does that): the optimizer writes into the layout
     they give, and ``start`` refuses a snapshot laid out otherwise.
+
+    Raises ``TypeError`` when sharded parameters cannot be kept resident (FSDP2
+    internals of another torch version, or parameters FSDP2 does not list);
+    the optimizer is then left unbound, an ordinary in-place Adam, to be
+    snapshotted by copy (``TorchStateSource``).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: ResidentAdam,
@@ -173,7 +216,9 @@ class Residency:
         self.rng = rng
         self.wait = wait
         self._names = self._home_names()
+        self._fsdp = _FsdpShards(model, optimizer.params_in_order())
         optimizer.homes = self._claim_homes
+        optimizer.moved = self._fsdp.sync
 
     def source(self, step: int, loader_state: Mapping[str, Any] | None = None
                ) -> TorchStateSource:
@@ -184,16 +229,18 @@ class Residency:
         """Give the parameters and moments private memory again, before anything
         other than the optimizer writes them (loading a restored or fetched
         state); the next step moves them back into the buffers."""
-        for p in self.optimizer.params_in_order():
-            state = self.optimizer.state[p]
-            p.data = p.detach().clone()
-            state["exp_avg"] = state["exp_avg"].clone()
-            state["exp_avg_sq"] = state["exp_avg_sq"].clone()
+        with torch.no_grad():
+            for p in self.optimizer.params_in_order():
+                state = self.optimizer.state[p]
+                _rebind(p, local_tensor(p).clone())
+                state["exp_avg"] = state["exp_avg"].clone()
+                state["exp_avg_sq"] = state["exp_avg_sq"].clone()
+        self._fsdp.sync()
 
     def _where_they_are(self) -> list[Home]:
         """Homes that are the tensors themselves: the step updates them in place."""
-        return [(p.detach(), self.optimizer.state[p]["exp_avg"],
-                 self.optimizer.state[p]["exp_avg_sq"])
+        return [(local_tensor(p), local_tensor(self.optimizer.state[p]["exp_avg"]),
+                 local_tensor(self.optimizer.state[p]["exp_avg_sq"]))
                 for p in self.optimizer.params_in_order()]
 
     def _home_names(self) -> list[tuple[str, str, str]]:
@@ -226,3 +273,64 @@ class Residency:
             spec = by_name[name]
             return as_tensor(spec.raw(buffer), spec.dtype, spec.shape)
         return [(view(p), view(a), view(s)) for p, a, s in self._names]
+
+
+#: What ``_FsdpShards`` uses of FSDP2's private ``FSDPParam`` (torch 2.13).
+_FSDP_PARAM_API = ("sharded_param", "reset_sharded_param", "padded_sharded_param_size",
+                   "pin_memory")
+
+
+class _FsdpShards:
+    """The FSDP2 bookkeeping of a model's sharded parameters, told when they move.
+
+    FSDP2 all-gathers from ``FSDPParam._sharded_param_data``, a padded buffer it
+    keeps beside the DTensor; ``reset_sharded_param`` points it at the DTensor's
+    current local tensor (or re-pads that into a new buffer if it must).
+    """
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor]) -> None:
+        self._params: list[Any] = []
+        if not any(is_sharded(p) for p in params) or "torch.distributed.fsdp" not in sys.modules:
+            return  # nothing FSDP2 manages (plain, or DTensors of tensor parallelism only)
+        by_id = self._fsdp_params(model)
+        unknown = [i for i, p in enumerate(params) if is_sharded(p) and id(p) not in by_id]
+        if by_id and unknown:
+            # FSDP2 would go on all-gathering their old shards: training would be wrong.
+            raise TypeError(f"Residency: sharded parameters {unknown} are not among the "
+                            f"sharded parameters FSDP2 manages in this model (was the "
+                            f"optimizer built while the model was unsharded?); build it "
+                            f"from model.parameters() after fully_shard, or use a copying "
+                            f"snapshot")
+        self._params = [by_id[id(p)] for p in params if id(p) in by_id]
+        private = [fp for fp in self._params
+                   if tuple(local_tensor(fp.sharded_param).shape)
+                   != tuple(fp.padded_sharded_param_size) or fp.pin_memory]
+        if private:
+            log.warning("resident state: %d of %d FSDP2 shards are padded or pinned by FSDP2 "
+                        "(dim 0 not divisible by the mesh size, or pinned CPU offload); "
+                        "those are copied into each snapshot, not resident",
+                        len(private), len(self._params))
+
+    @staticmethod
+    def _fsdp_params(model: torch.nn.Module) -> dict[int, Any]:
+        """``FSDPParam`` objects by id of their sharded parameter (private API)."""
+        from torch.distributed.fsdp import FSDPModule  # imported already: checked above
+
+        try:
+            found = [fp for module in model.modules() if isinstance(module, FSDPModule)
+                     for group in module._get_fsdp_state()._fsdp_param_groups
+                     for fp in group.fsdp_params]
+            for fp in found:
+                for name in _FSDP_PARAM_API:
+                    getattr(fp, name)
+        except AttributeError as exc:
+            raise TypeError(f"Residency cannot keep FSDP2 parameters resident with torch "
+                            f"{torch.__version__}: its FSDP2 internals differ from those "
+                            f"this was written for (torch 2.13: {exc}); use a copying "
+                            f"snapshot (torch.optim.AdamW and TorchStateSource)") from exc
+        return {id(fp.sharded_param): fp for fp in found}
+
+    def sync(self) -> None:
+        with torch.no_grad():
+            for fsdp_param in self._params:
+                fsdp_param.reset_sharded_param()

@@ -8,7 +8,14 @@ imports it. The flat layout of a rank's state:
 * ``optim/state/<param id>/<key>``: the optimizer's per-parameter tensors;
 * ``rng/torch``, ``rng/cuda/<i>``, ``rng/numpy``: generator states (eager);
 * JSON ``meta``: optimizer param groups and scalar state, scheduler state,
-  Python and numpy RNG scalars, ``step``, ``loader_state``.
+  Python and numpy RNG scalars, ``step``, ``loader_state``, and ``layout``.
+
+Sharded models (FSDP2, any DTensor): a rank snapshots, serves and loads only
+its local shards. Each DTensor is recorded as its local tensor (the manifest's
+shapes are local shapes) and ``meta["layout"]`` records its mesh, placements
+and global shape (``ckpt.manifest.build_layout``). ``load_train_state`` refuses
+a state whose layout differs from the live objects' (``LayoutMismatchError``)
+before it changes anything, and rebuilds DTensors with the live mesh.
 
 On CUDA the device-to-host copy runs on a dedicated stream into pinned
 buffers, after an event recorded when the snapshot started (so it sees the
@@ -18,6 +25,7 @@ optimizer step's result); the background thread waits per tensor.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +33,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .manifest import Bytes, Manifest, TensorDesc
+from .errors import LayoutMismatchError
+from .manifest import (
+    Bytes,
+    Layout,
+    Manifest,
+    ShardInfo,
+    TensorDesc,
+    build_layout,
+    layout_difference,
+    layout_shards,
+)
 
 MODEL = "model/"
 OPTIM = "optim/state/"
@@ -33,6 +51,51 @@ OPTIM = "optim/state/"
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """True for a DTensor. Its module is looked up, not imported: no tensor can
+    be one before it is, and importing it costs a plain job 0.4 s."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes this rank holds of ``tensor``: its local shard if sharded (the
+    same memory, not a copy), else the tensor itself; detached either way."""
+    if is_sharded(tensor):
+        with torch.no_grad():  # no autograd node: the very local tensor, viewed
+            return tensor.to_local().detach()  # type: ignore[attr-defined, no-any-return]
+    return tensor.detach()
+
+
+def shard_info(tensor: torch.Tensor) -> ShardInfo:
+    """How a DTensor is sharded, in the manifest's terms."""
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    names = mesh.mesh_dim_names
+    return ShardInfo(mesh_shape=tuple(mesh.shape), coordinate=tuple(mesh.get_coordinate() or ()),
+                     mesh_dim_names=None if names is None else tuple(names),
+                     placements=tuple(repr(p) for p in tensor.placements),  # type: ignore
+                     global_shape=tuple(tensor.shape),
+                     local_shape=tuple(local_tensor(tensor).shape))
+
+
+def layout_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Layout:
+    """The ``layout`` a snapshot of these objects records now (optimizer tensors
+    only where the optimizer has state). ``layout_of(model)`` is what ranks of
+    replicas compare (``ckpt.manifest.layout_digest``) before one catches up."""
+    return build_layout({name: shard_info(t) for name, t in _named_tensors(model, optimizer)
+                         if is_sharded(t)})
+
+
+def _named_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+                   ) -> list[tuple[str, torch.Tensor]]:
+    named = [(MODEL + k, t) for k, t in model.state_dict(keep_vars=True).items()]
+    if optimizer is not None:
+        for param_id, values in optimizer.state_dict()["state"].items():
+            named += [(f"{OPTIM}{param_id}/{k}", v) for k, v in values.items()
+                      if isinstance(v, torch.Tensor)]
+    return named
 
 
 def pinned_allocator(nbytes: int) -> Bytes:
@@ -60,6 +123,7 @@ class TorchStateSource:
         self._tensors: list[torch.Tensor] = []
         self._descs: list[TensorDesc] = []
         self._meta: dict[str, Any] = {"step": step, "loader_state": dict(loader_state or {})}
+        self._shards: dict[str, ShardInfo] = {}
         self._stream = stream
         self._ready: Any = None
         self._add_model(model)
@@ -69,14 +133,19 @@ class TorchStateSource:
             self._meta["scheduler"] = _jsonable(scheduler.state_dict(), "scheduler state")
         if rng:
             self._add_rng()
+        if self._shards:
+            self._meta["layout"] = build_layout(self._shards)
         if any(t.is_cuda for t in self._tensors):
             self._stream = self._stream or torch.cuda.Stream()
             self._ready = torch.cuda.Event()
             self._ready.record()
 
     def _add(self, name: str, tensor: torch.Tensor, eager: bool) -> None:
-        self._tensors.append(tensor.detach())
-        self._descs.append(TensorDesc(name, dtype_name(tensor.dtype), tuple(tensor.shape), eager))
+        if is_sharded(tensor):
+            self._shards[name] = shard_info(tensor)
+        local = local_tensor(tensor)
+        self._tensors.append(local)
+        self._descs.append(TensorDesc(name, dtype_name(local.dtype), tuple(local.shape), eager))
 
     def _add_model(self, model: torch.nn.Module) -> None:
         params = {id(p) for p in model.parameters()}
@@ -153,8 +222,16 @@ class LoadedState:
 def load_train_state(manifest: Manifest, buffer: Bytes, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
                      *, restore_rng: bool = True) -> LoadedState:
-    """Apply a verified state (restored or fetched) to live objects, at the commit point."""
-    tensors = {spec.name: as_tensor(spec.raw(buffer), spec.dtype, spec.shape)
+    """Apply a verified state (restored or fetched) to live objects, at the commit point.
+
+    Sharded live objects get this rank's shards, as DTensors on their own mesh;
+    a state sharded otherwise than they are (or not at all) raises
+    ``LayoutMismatchError`` before anything is changed.
+    """
+    live = _live_counterparts(manifest, model, optimizer)
+    _check_layout(manifest, live)
+    tensors = {spec.name: sharded_like(live.get(spec.name),
+                                       as_tensor(spec.raw(buffer), spec.dtype, spec.shape))
                for spec in manifest.tensors}
     model.load_state_dict({k[len(MODEL):]: v for k, v in tensors.items()
                            if k.startswith(MODEL)})
@@ -166,6 +243,68 @@ def load_train_state(manifest: Manifest, buffer: Bytes, model: torch.nn.Module,
     if restore_rng:
         _restore_rng(tensors, meta)
     return LoadedState(int(meta.get("step", manifest.step)), dict(meta.get("loader_state", {})))
+
+
+def check_layout(manifest: Manifest, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Raise ``LayoutMismatchError`` unless every tensor of ``manifest`` is sharded
+    as its live counterpart is: what ``load_train_state`` checks first, callable
+    as soon as a peer's manifest is known (before its bytes are fetched)."""
+    _check_layout(manifest, _live_counterparts(manifest, model, optimizer))
+
+
+def _check_layout(manifest: Manifest, live: Mapping[str, torch.Tensor]) -> None:
+    stored = manifest.meta.get("layout") or {}
+    names = {spec.name for spec in manifest.tensors} | set(layout_shards(stored))
+    current = build_layout({name: shard_info(t) for name, t in live.items()
+                            if name in names and is_sharded(t)})
+    difference = layout_difference(
+        stored, current, stored_shapes={spec.name: spec.shape for spec in manifest.tensors},
+        live_shapes={name: tuple(t.shape) for name, t in live.items()})
+    if difference is not None:
+        raise LayoutMismatchError(difference, stored=stored, live=current, rank=manifest.rank)
+
+
+def _live_counterparts(manifest: Manifest, model: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """For each stored model and optimizer tensor, the live tensor it must fit.
+
+    An optimizer without state yet (built, never stepped) has no moments to
+    compare: a moment's counterpart is then its parameter, if the stored tensor
+    has the parameter's global shape (Adam's do), else nothing (a plain scalar).
+    """
+    live = {MODEL + k: t for k, t in model.state_dict(keep_vars=True).items()}
+    if optimizer is None:
+        return live
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stored = layout_shards(manifest.meta.get("layout"))
+    for spec in manifest.tensors:
+        if not spec.name.startswith(OPTIM):
+            continue
+        param_id, key = spec.name[len(OPTIM):].split("/", 1)
+        if not 0 <= int(param_id) < len(params):
+            continue
+        param = params[int(param_id)]
+        value = optimizer.state.get(param, {}).get(key)
+        shape = stored[spec.name].global_shape if spec.name in stored else spec.shape
+        if isinstance(value, torch.Tensor):
+            live[spec.name] = value
+        elif tuple(param.shape) == shape:
+            live[spec.name] = param
+    return live
+
+
+def sharded_like(live: torch.Tensor | None, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as this rank's shard of a DTensor laid out as ``live`` is (on its
+    mesh, with its placements and global shape); ``local`` itself if ``live`` is
+    plain or None. The shapes must agree: ``check_layout`` says whether they do."""
+    if live is None or not is_sharded(live):
+        return local
+    from torch.distributed.tensor import DTensor  # imported already: ``live`` is one
+    with torch.no_grad():
+        return DTensor.from_local(local, live.device_mesh,  # type: ignore[attr-defined]
+                                  live.placements, run_check=False,  # type: ignore[attr-defined]
+                                  shape=live.shape, stride=live.stride())
 
 
 def _optimizer_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]

@@ -1,6 +1,7 @@
 """The demo: fault-tolerant training on the local Slurm cluster, with a node killed.
 
-Submits ``etc/examples/train.sbatch`` (3 replicas + 1 warm standby), waits until
+Submits ``etc/examples/train.sbatch`` (3 replicas of 2 ranks sharding the model
+with FSDP2 + 1 warm standby), waits until
 training is under way, kills replica 1's node (its slurmd and every process on
 it, like a crash), shows the recovery live (eviction, promotion, catch-up), then
 the summary. Run by ``etc/demo.sh`` after the cluster is up; root only.
@@ -23,6 +24,7 @@ from tests.cluster import labcluster
 
 STEPS = 1500
 KILL_AT_STEP = 200
+RANKS = 2          # per replica: FSDP2 shards the model over them
 
 
 def progress(run_dir: Path) -> dict[int, int]:
@@ -51,6 +53,7 @@ def main() -> int:
     out = Path(tempfile.mkdtemp(prefix="ftl-demo-"))
     runs = out / "runs"
     exports = ",".join(["ALL", f"PYTHON={sys.executable}", f"STEPS={STEPS}", "SIZE=small",
+                        f"TASKS_PER_NODE={RANKS}",
                         f"FTL_RUN_LOG_DIR={runs}", "FTL_RECOVERY_LOST_TIMEOUT=5",
                         "FTL_QUORUM_MEMBER_TIMEOUT=2", "FTL_QUORUM_JOIN_TIMEOUT=1"])
     submitted = labcluster.ctl_run(["sbatch", "--parsable", f"--chdir={REPO}",
@@ -58,7 +61,8 @@ def main() -> int:
                                     str(REPO / "etc" / "examples" / "train.sbatch")])
     job_id = submitted.stdout.strip().split(";")[0]
     run_dir = runs / job_id
-    print(f"== submitted job {job_id}: 3 replicas + 1 warm standby; run directory {run_dir}")
+    print(f"== submitted job {job_id}: 3 replicas of {RANKS} FSDP2 ranks + 1 warm standby; "
+          f"run directory {run_dir}")
     wait(lambda: len(progress(run_dir)) == 3 and min(progress(run_dir).values()) >= KILL_AT_STEP,
          300, f"training to pass step {KILL_AT_STEP}", show=run_dir)
     launches = {e.replica_id: e for e in controller_log(run_dir)
@@ -75,7 +79,10 @@ def main() -> int:
     wait(lambda: job_state(job_id) == "", 600, "the job to finish")
     print((out / "job.out").read_text().split("summary (")[-1])
     finals = [json.loads(p.read_text()) for p in (run_dir / "final").glob("*.json")]
-    same = len({f["state_sha256"] for f in finals}) == 1
+    # Rank k of every replica holds the same shards of the FSDP2-sharded model.
+    same = len(finals) == 3 * RANKS and all(
+        len({f["state_sha256"] for f in finals if f["rank"] == rank}) == 1
+        for rank in range(RANKS))
     print(f"== replicas bit-identical at the end: {same}; node {victim} drained: "
           f"{labcluster.ctl_run(['sinfo', '-h', '-n', victim, '-o', '%t %E']).stdout.strip()}")
     labcluster.heal_node(victim)

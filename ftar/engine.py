@@ -224,6 +224,16 @@ class RingEngine:
                 transfer.span.size * op.etype.itemsize)
         if (kind, opcode, dtype, seq, total, frame, size) == mine:
             return contributors
+        if kind == FRAME_DATA and seq != op.seq:
+            # Not misuse: after a failure one member went on to its next all-reduce
+            # while this one still ran the last (or the other way round).
+            left = self.position.left
+            raise PeerFailedError(
+                FailureKind.OUT_OF_STEP, peer_index=left,
+                peer_address=self.position.address_of(left),
+                quorum_id=self.position.quorum_id, step=op.step,
+                where=transfer.describe(self.position.size),
+                detail=f"it sent all-reduce #{seq}, this member runs #{op.seq}")
         raise FtarUsageError(
             f"members disagree on the all-reduce: member {self.position.left} sent "
             f"{describe_frame(opcode, dtype, total, seq)} (frame {frame}, {size} bytes), "

@@ -32,6 +32,7 @@ class FailureKind(enum.Enum):
     NOT_CONNECTED = "did not connect"
     ABORTED = "aborted the operation"       # a local error there (it reported it)
     LOST = "was reported lost by the quorum"  # silent to the quorum's heartbeats
+    OUT_OF_STEP = "is in another all-reduce"  # a failure left the ring out of step
 
     @property
     def code(self) -> int:

@@ -265,6 +265,9 @@ class RuntimeConfig(_Section):
     #: A worker that hears no controller heartbeat this long (its node is gone) saves
     #: the newest state to the persistent tier and requeues the job (or ends it).
     controller_timeout: float = _seconds(20.0)
+    #: Reduce gradients across replicas during backward (FSDP2's all-reduce hook, DDP's
+    #: comm hook); off: all of them after backward.
+    overlap_backward: bool = True
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ftcore.slurm.hostlist import compress, expand
 
 from .ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_size
 from .heartbeat import heartbeat_path
-from .plan import JOB_FLAGS, LaunchPlan, plan_allocation
+from .plan import JOB_FLAGS, LaunchPlan, check_cpus, plan_allocation
 from .report import status_text, summarize
 from .submit import release_allocation, submit
 from .supervisor import Supervisor
@@ -262,6 +262,8 @@ def _run(args: argparse.Namespace, config: Config, slurm: SlurmCli) -> int:
         allocation = allocation_of_job(info)
     else:
         allocation = Allocation.from_env(os.environ)
+    check_cpus(allocation.cpus_per_node, allocation.nodes, config.job.tasks_per_node,
+               allocation.job_id)
     plan = plan_allocation(allocation.nodes, config.job, command, job_id=allocation.job_id,
                            batch_host=allocation.batch_host)
     run_dir = (Path(config.run.log_dir) / allocation.job_id).resolve()

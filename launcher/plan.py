@@ -3,6 +3,7 @@ and the exact srun command of each replica step."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from ftcore.config import BatchHostRole, JobConfig, StandbyMode
@@ -50,7 +51,9 @@ def replica_step_spec(plan: LaunchPlan, nodes: tuple[str, ...], replica_id: int,
     running ``command`` (default: the plan's; a hot update replaces it)."""
     export = (f"--export=ALL,{ENV_REPLICA_ID}={replica_id},"
               f"{ENV_NUM_REPLICAS}={len(plan.replicas)}")
-    return StepSpec(nodes=nodes, command=command or plan.command,
+    # Each task gets its replica's torch world (RANK, MASTER_ADDR, ...) as torchrun would.
+    task = (sys.executable, "-m", "launcher.worker.task", "--")
+    return StepSpec(nodes=nodes, command=(*task, *(command or plan.command)),
                     tasks_per_node=plan.tasks_per_node,
                     name=f"replica-{replica_id}", job_id=plan.job_id,
                     overlap=overlap, extra_args=(export, *extra_args))
@@ -97,3 +100,18 @@ def plan_allocation(nodes: tuple[str, ...], job: JobConfig, command: tuple[str, 
     return LaunchPlan(job_id=job_id, replicas=replicas, standby=standby, excluded=excluded,
                       tasks_per_node=job.tasks_per_node, command=tuple(command),
                       batch_host=batch_host if batch_host in nodes else None)
+
+
+def check_cpus(cpus_per_node: tuple[int, ...], nodes: tuple[str, ...], tasks_per_node: int,
+               job_id: str) -> None:
+    """Every replica step runs ``tasks_per_node`` tasks on each node: an allocation that
+    holds fewer CPUs somewhere (sbatch's default is one task, one CPU, per node)
+    would have its steps refused later; say so now. Unknown counts pass."""
+    short = [(node, cpus) for node, cpus in zip(nodes, cpus_per_node) if cpus < tasks_per_node]
+    if short:
+        node, cpus = short[0]
+        raise UsageError(
+            f"job {job_id} holds {cpus} CPU(s) on {node} ({len(short)} node(s) short), but "
+            f"job.tasks_per_node = {tasks_per_node} needs {tasks_per_node} on every node",
+            hint="allocate whole nodes (#SBATCH --exclusive, as ft-launch submit does) or "
+                 f"--ntasks-per-node={tasks_per_node}")

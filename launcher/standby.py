@@ -28,6 +28,7 @@ from pathlib import Path
 from ftcore.errors import ExitCode, FtError
 from ftcore.files import atomic_write_text
 from ftcore.logs import configure_logging
+from launcher.worker.identity import ENV_REPLICA_ID, task_world_env
 
 log = logging.getLogger("launcher.standby")
 POLL_INTERVAL = 0.02
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(POLL_INTERVAL)  # an idle wait for an external event, cancelled by scancel
     order = json.loads(activation.read_text())
     os.environ.update(order["env"])
-    log.info("standby %s promoted: %s", args.node, order["env"])
+    os.environ.update(task_world_env(os.environ))   # the replica's torch world, this task
+    log.info("standby %s promoted to replica %s", args.node,
+             order["env"].get(ENV_REPLICA_ID, "?"))
     # The node passed the gate when this agent started, maybe hours ago: check again
     # before it becomes a replica (a failure here costs one more promotion, not a job).
     unhealthy = recheck(args.node)

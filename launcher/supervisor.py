@@ -45,7 +45,7 @@ from .plan import LaunchPlan, replica_step_spec
 from .pool import ReservationPool
 from .standby import activate, unhealthy_file
 from .worker.events import StepCommitted, WorkerStarted
-from .worker.identity import ENV_SECRET
+from .worker.identity import ENV_REPLICA_ID, ENV_SECRET, replica_world_env
 
 log = logging.getLogger(__name__)
 NODE_CHECK_INTERVAL = 2.0
@@ -105,6 +105,7 @@ class Supervisor:
             [r.replica_id for r in plan.replicas], time.time())
         self._updates_read = 0
         self._expanded: set[str] = set()    # nodes the job got by expansion
+        self._launches: dict[int, int] = {}   # replica -> launches so far
 
     # ------------------------------------------------------------------ launching
 
@@ -123,11 +124,17 @@ class Supervisor:
         spec = replica_step_spec(self.plan, nodes, replica_id,
                                  self.config.slurm.srun_extra_args, command=command,
                                  overlap=bool(set(nodes) & self._expanded))
-        env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
+        env = self._replica_env(replica_id, len(nodes))
         proc = self._popen(spec, env, f"replica-{replica_id}")
         self.replicas[replica_id] = Watched(spec.name, proc, time.monotonic(), self.plan.job_id)
         self._restarted(replica_id)
         self.events.emit(ReplicaLaunched(replica_id=replica_id, nodes=list(nodes), how=how))
+
+    def _replica_env(self, replica_id: int, nodes: int) -> dict[str, str]:
+        launch = self._launches[replica_id] = self._launches.get(replica_id, -1) + 1
+        return {**self.worker_env, ENV_REPLICA_ID: str(replica_id),
+                **replica_world_env(self.plan.job_id or "", replica_id, launch, nodes,
+                                    self.plan.tasks_per_node)}
 
     def _restarted(self, replica_id: int) -> None:
         progress = self.progress[replica_id]
@@ -443,7 +450,7 @@ class Supervisor:
             self.launch_replica(replica_id, (node,), "promoted")
         else:
             watched = self.standbys.pop(node)
-            env = {**self.worker_env, "FTLAUNCH_REPLICA_ID": str(replica_id)}
+            env = self._replica_env(replica_id, 1)
             activate(self.run_dir, node, env, command=self._command_for(replica_id))
             self.replicas[replica_id] = Watched(watched.name, watched.proc, time.monotonic(),
                                                 watched.job_id)

@@ -54,3 +54,16 @@ class AllocationEnded(Event):
     replica_id: int
     saved_step: int | None
     outcome: str
+
+
+@dataclass(frozen=True)
+class WorkerStopped(Event):
+    """This rank closed its runtime; what its FTAR ring carried over the whole run."""
+
+    replica_id: int
+    rank: int
+    next_step: int
+    ftar_ops: int
+    ftar_ops_failed: int
+    ftar_bytes_sent: int
+    ftar_bytes_received: int

@@ -3,7 +3,8 @@
 ``FTLAUNCH_INJECT="kill@mid_allreduce:7,stop@after_commit:12"`` makes this worker
 SIGKILL itself in the middle of step 7's gradient all-reduce (after the
 reduce-scatter, before the all-gather) and SIGSTOP itself after committing step
-12. Each fault fires once, in the incarnation that was given it.
+12. ``kill@mid_allreduce:7/1`` fires on rank 1 of the replica only (default: every
+rank). Each fault fires once, in the incarnation that was given it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class InjectedFault:
     action: FaultAction
     point: FaultPoint
     step: int
+    rank: int | None = None     # None: every rank of the replica
 
 
 def parse_faults(text: str) -> tuple[InjectedFault, ...]:
@@ -45,11 +47,13 @@ def parse_faults(text: str) -> tuple[InjectedFault, ...]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         try:
             action, rest = item.split("@")
-            point, step = rest.split(":")
-            faults.append(InjectedFault(FaultAction(action), FaultPoint(point), int(step)))
+            point, when = rest.split(":")
+            step, _, rank = when.partition("/")
+            faults.append(InjectedFault(FaultAction(action), FaultPoint(point), int(step),
+                                        int(rank) if rank else None))
         except ValueError:
             raise UsageError(f"bad {ENV_INJECT} item {item!r}",
-                             hint="write ACTION@POINT:STEP, ACTION in "
+                             hint="write ACTION@POINT:STEP or ACTION@POINT:STEP/RANK, ACTION in "
                                   f"{[a.value for a in FaultAction]}, POINT in "
                                   f"{[p.value for p in FaultPoint]}") from None
     return tuple(faults)
@@ -60,8 +64,10 @@ class FaultInjector:
         self.pending = list(faults)
 
     @staticmethod
-    def from_env() -> FaultInjector:
-        return FaultInjector(parse_faults(os.environ.get(ENV_INJECT, "")))
+    def from_env(rank: int = 0) -> FaultInjector:
+        """The faults of ``FTLAUNCH_INJECT`` that fire on ``rank``."""
+        return FaultInjector(tuple(f for f in parse_faults(os.environ.get(ENV_INJECT, ""))
+                                   if f.rank is None or f.rank == rank))
 
     def armed(self, point: FaultPoint, step: int) -> bool:
         return any(f.point is point and f.step == step for f in self.pending)

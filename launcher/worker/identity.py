@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from collections.abc import Mapping
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftcore.errors import UsageError
+from ftcore.slurm.hostlist import expand
 
 #: Variables ft-launch sets for every worker (runtime identity, not configuration).
 ENV_JOB_ID = "FTLAUNCH_JOB_ID"
@@ -69,3 +71,36 @@ def node_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+# ---------------------------------------------------------------------- torch world
+
+#: MASTER_PORT range: below Linux's ephemeral ports (32768-60999), above the usual services.
+MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 15000
+
+
+def master_port(job_id: str, replica_id: int, launch: int) -> int:
+    """The replica's rendezvous port for its ``launch``-th start: spread by job so
+    jobs sharing a node rarely meet, and new each launch so a relaunch never waits
+    for its dead predecessor's port."""
+    digest = hashlib.sha256(f"{job_id}/{replica_id}/{launch}".encode()).digest()
+    return MASTER_PORT_BASE + int.from_bytes(digest[:4], "big") % MASTER_PORT_SPAN
+
+
+def replica_world_env(job_id: str, replica_id: int, launch: int, nodes: int,
+                      tasks_per_node: int) -> dict[str, str]:
+    """What every task of a replica's step shares of its torch world (the controller
+    sets it; ``task_world_env`` adds each task's own part)."""
+    return {"WORLD_SIZE": str(nodes * tasks_per_node),
+            "LOCAL_WORLD_SIZE": str(tasks_per_node),
+            "MASTER_PORT": str(master_port(job_id, replica_id, launch))}
+
+
+def task_world_env(env: Mapping[str, str]) -> dict[str, str]:
+    """This task's part of the replica's torch world, as torchrun would set it:
+    ``RANK``/``LOCAL_RANK`` from Slurm's task ids, ``MASTER_ADDR`` the step's first
+    node (where Slurm places task 0). Empty outside a Slurm step."""
+    if "SLURM_PROCID" not in env or "SLURM_STEP_NODELIST" not in env:
+        return {}
+    return {"RANK": env["SLURM_PROCID"], "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+            "MASTER_ADDR": expand(env["SLURM_STEP_NODELIST"])[0]}

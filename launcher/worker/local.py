@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,13 @@ from .identity import (
 )
 
 
+def free_port() -> int:
+    """A loopback port free now (the replica's rank 0 binds it moments later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @dataclass
 class LocalJob:
     """``replicas`` copies of ``command``, each replica ``ranks`` processes."""
@@ -44,7 +52,7 @@ class LocalJob:
     procs: dict[int, list[list[subprocess.Popen[bytes]]]] = field(default_factory=dict)
 
     def env(self, replica_id: int, inject: str, rank: int = 0,
-            incarnation: str = "0") -> dict[str, str]:
+            incarnation: str = "0", master_port: int = 0) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FTL_", "FTLAUNCH_"))}
         env.update(self.config_env)
         env.update({ENV_REPLICA_ID: str(replica_id), ENV_NUM_REPLICAS: str(self.replicas),
@@ -52,7 +60,11 @@ class LocalJob:
                     ENV_HOST: "127.0.0.1", ENV_JOB_ID: "local", ENV_INJECT: inject,
                     ENV_RANK: str(rank), ENV_RANKS: str(self.ranks),
                     ENV_INCARNATION: incarnation,
-                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
+                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+                    # The replica's torch world, as torchrun (or ft-launch run) sets it.
+                    "RANK": str(rank), "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(self.ranks), "LOCAL_WORLD_SIZE": str(self.ranks),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
         return env
 
     def start(self, replica_id: int, inject: str = "") -> subprocess.Popen[bytes]:
@@ -60,10 +72,11 @@ class LocalJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         incarnation = str(len(self.procs.get(replica_id, [])))
         ranks = []
+        port = free_port()
         with (self.run_dir / f"replica-{replica_id}.log").open("ab") as log:
             for rank in range(self.ranks):
                 ranks.append(subprocess.Popen(
-                    list(self.command), env=self.env(replica_id, inject, rank, incarnation),
+                    list(self.command), env=self.env(replica_id, inject, rank, incarnation, port),
                     stdout=log, stderr=subprocess.STDOUT))
         self.procs.setdefault(replica_id, []).append(ranks)
         return ranks[0]

@@ -4,12 +4,16 @@ snapshot. Torch-free: the model and optimizer come in through ``TrainState``
 
 A training loop::
 
-    plan = manager.start_step()                 # quorum; reconfigure; start catch-up
-    if plan.kind is StepKind.TRAIN:
-        loss = model.loss(batch_for(manager.data_position)); loss.backward()
-    manager.allreduce_gradients()               # FTAR across replicas (zeros if behind)
-    if manager.commit():                        # all ranks agree -> optimizer step
-        ...                                     # committed; else the step is retried
+    manager.start_step()              # returns at once: the quorum is asked beside forward
+    loss = model.loss(batch_for(manager.data_position)); loss.backward()
+    manager.allreduce_gradients()     # waits for FTAR across replicas (hooks: during backward)
+    if manager.commit():              # all ranks agree -> optimizer step
+        ...                           # committed; else the step is retried
+
+Every rank runs forward and backward every step: whether this replica trains or
+catches up is known only when the quorum answers, and a catching-up replica
+makes the same reductions, contributing zeros. The quorum and the reductions run
+in order on the exchange thread (``exchange.py``), beside backward.
 
 Failures of FTAR, the quorum or the fetch are recoverable: the step is dropped
 on every rank of the replica and retried under a new quorum, up to
@@ -23,12 +27,11 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-
-import numpy as np
 
 from ckpt.errors import NoCheckpointError
 from ckpt.fetch import Peer
@@ -47,7 +50,15 @@ from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent
 from launcher.quorum.events import Event as QuorumEvent
 
 from .controller_loss import ControllerLostNotice, end_allocation, saver_of, wait_job_ended
-from .events import AllocationEnded, ControllerLost, StepCommitted, StepDiscarded, WorkerStarted
+from .exchange import Job, StepWork
+from .events import (
+    AllocationEnded,
+    ControllerLost,
+    StepCommitted,
+    StepDiscarded,
+    WorkerStarted,
+    WorkerStopped,
+)
 from .faults import FaultInjector, FaultPoint
 from .identity import WorkerIdentity
 from .ledger import DataLedger, StepContribution
@@ -58,11 +69,21 @@ from .replica_group import ReplicaGroup, SoloGroup
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """What a gradient reduction needs of its step: this rank's ring, the step, and
+    whether this replica's gradients count (False: it catches up and sends zeros)."""
+
+    ftar: FtarGroup
+    step: int
+    contributes: bool
+
+
 class TrainState(Protocol):
     """What the protocol needs of a model + optimizer (see ``torch_api``)."""
 
-    def gradients(self) -> np.ndarray: ...               # flat, contiguous, writable
-    def set_gradients(self, flat: np.ndarray) -> None: ...
+    def reduce_gradients(self, reduction: Reduction) -> None: ...   # after backward
+    def finish_gradients(self) -> None: ...   # all reductions done: gradients final
     def zero_gradients(self) -> None: ...
     def apply(self, lr_factor: float) -> None: ...        # the optimizer step
     def snapshot_source(self, step: int, loader_state: Mapping[str, Any]) -> StateSource: ...
@@ -93,7 +114,7 @@ class Manager:
         self.events = EventLog(run_dir / "events" / f"{tag}.jsonl")
         self.audit = (run_dir / "audit" / f"replica-{identity.replica_id}.jsonl"
                       if identity.rank == 0 else None)
-        self.faults = FaultInjector.from_env()
+        self.faults = FaultInjector.from_env(identity.rank)
         self.ftar = FtarGroup(config.ftar, identity.secret, identity.host,
                               progress_hook=self._on_ring_progress)
         ckpt_dir = Path(config.ckpt.dir)
@@ -124,6 +145,10 @@ class Manager:
                                                  on_lost=self._end_if_stuck).start()
                            if identity.rank == 0 and identity.heartbeat is not None else None)
         self._quorum_id: int | None = None
+        self.work = StepWork()
+        self._plan_ready = threading.Event()
+        self._started = False
+        self._exchanged = False
         self._plan: StepPlan | None = None
         self._catch_up: Any = None
         self._contribution: StepContribution | None = None
@@ -141,9 +166,19 @@ class Manager:
         return self.ledger.positions[self.identity.replica_id]
 
     @property
+    def step_started(self) -> bool:
+        """A step is started and not yet committed or dropped."""
+        return self._started
+
+    @property
     def plan(self) -> StepPlan:
-        if self._plan is None:
+        """This step's plan (the last step's after its commit); waits for the quorum."""
+        if not self._started and self._plan is None:
             raise RuntimeError("start_step() first")
+        self._plan_ready.wait()
+        if self._plan is None:
+            self.work.wait()          # raises what stopped the quorum
+            raise RuntimeError("the quorum gave no plan for this step")
         return self._plan
 
     def _restore_persistent(self) -> None:
@@ -169,40 +204,60 @@ class Manager:
 
     # ------------------------------------------------------------------ the step
 
-    def start_step(self) -> StepPlan:
-        """Join the quorum for the next step; reconfigure FTAR; start catch-up if behind.
+    def start_step(self) -> None:
+        """Start the next step: the quorum is asked on the exchange thread, so this
+        returns at once and forward runs beside it. ``plan`` waits for the answer."""
+        self._error, self._contribution, self._catch_up, self._plan = None, None, None, None
+        self._plan_ready.clear()
+        self._started, self._exchanged = True, False
+        self.work.begin(self._settle_step)
 
-        A quorum that cannot form yet (election, stragglers, majority briefly lost) is
-        retried, each failure counted against ``runtime.max_consecutive_failures``.
-        Attempts are paced one join window apart: a replica that cannot reach a
-        majority is answered at once, and unpaced retries would spend the whole
-        budget in milliseconds instead of waiting for the others to come back."""
-        self._error, self._contribution, self._catch_up = None, None, None
+    def _settle_step(self) -> None:
+        """On the exchange thread: the quorum, the ring, the catch-up fetch, and the
+        exactly-once counts (small: they go before the first gradient reduction)."""
+        try:
+            plan = self._join_quorum()
+            self._plan = plan
+        finally:
+            self._plan_ready.set()
+        if plan.reconfigure:
+            self._quorum_id = None  # rebuilt below; on failure, rebuilt next step
+            try:
+                self.ftar.reconfigure(plan.quorum_id, list(plan.ring), plan.my_index)
+            except FtError as error:  # a neighbour that fails the handshake: next quorum
+                if isinstance(error, RecoverableError):
+                    raise
+                raise RecoverableError(f"FTAR ring of quorum {plan.quorum_id}: {error}",
+                                       step=plan.step) from error
+        self._quorum_id = plan.quorum_id
+        if plan.kind is StepKind.CATCH_UP:
+            peers = [Peer(host, port) for host, port in plan.fetch_from]
+            self._catch_up = self.ckpt.catch_up(peers, plan.step - 1)
+        self.faults.check(FaultPoint.START_STEP, plan.step)
+        training = plan.kind is StepKind.TRAIN
+        counts = self.ledger.contribution_vector(self.identity.replica_id,
+                                                 self.batch_size if training else 0)
+        self.ftar.allreduce(counts, op=ReduceOp.SUM, step=plan.step)
+        self._contribution = self.ledger.decode(plan.step, counts)
+
+    def _join_quorum(self) -> StepPlan:
+        """The quorum for the next step. One that cannot form yet (election,
+        stragglers, majority briefly lost) is retried, each failure counted against
+        ``runtime.max_consecutive_failures``. Attempts are paced one join window
+        apart: a replica that cannot reach a majority is answered at once, and
+        unpaced retries would spend the whole budget in milliseconds instead of
+        waiting for the others to come back."""
         while True:
             attempt_started = time.monotonic()
             try:
                 view = self._quorum_view()
-                plan = plan_step(view, self.identity.replica_id, self.identity.rank,
+                return plan_step(view, self.identity.replica_id, self.identity.rank,
                                  self._quorum_id, self.next_step)
-                break
             except RecoverableError as error:
                 log.warning("no quorum for step %d yet: %s", self.next_step, error)
                 self.budget.failed(error, self.next_step)
                 time.sleep(max(0.0, attempt_started + self.config.quorum.join_timeout
                                - time.monotonic()))
-        try:
-            if plan.reconfigure:
-                self.ftar.reconfigure(plan.quorum_id, list(plan.ring), plan.my_index)
-            self._quorum_id = plan.quorum_id
-        except FtError as error:
-            self._quorum_id = None  # rebuild next time, whatever the quorum says
-            self._error = error
-        if plan.kind is StepKind.CATCH_UP and self._error is None:
-            peers = [Peer(host, port) for host, port in plan.fetch_from]
-            self._catch_up = self.ckpt.catch_up(peers, plan.step - 1)
-        self._plan = plan
-        self.faults.check(FaultPoint.START_STEP, plan.step)
-        return plan
 
     def _quorum_view(self) -> QuorumView:
         """Rank 0 asks the quorum; every rank of the replica gets its answer (or error)."""
@@ -231,35 +286,55 @@ class Manager:
                                                for m in quorum.members)),
                           behind=tuple(quorum.behind))
 
-    def allreduce_gradients(self) -> None:
-        """Average gradients across the quorum's replicas (this rank's ring)."""
-        plan = self.plan
-        if self._error is not None:
-            return
-        training = plan.kind is StepKind.TRAIN
-        counts = self.ledger.contribution_vector(self.identity.replica_id,
-                                                 self.batch_size if training else 0)
+    def reduce_gradients(self, reduce: Callable[[Reduction], None],
+                         after: Callable[[], None] | None = None) -> Job:
+        """Queue a reduction of (some of) this step's gradients on the exchange thread,
+        after the quorum: hooks call this during backward. ``after`` runs once it ran
+        or was skipped (the step failed earlier). The job, to wait on."""
+        return self.work.submit(lambda: self._run_reduction(reduce), after)
+
+    def _run_reduction(self, reduce: Callable[[Reduction], None]) -> None:
+        plan = self._plan
+        assert plan is not None  # the quorum ran first on this thread
+        self._in_gradient_allreduce = True
         try:
-            self.ftar.allreduce(counts, op=ReduceOp.SUM, step=plan.step)
-            grads = self.state.gradients()
-            self.group.average(grads)  # inside the replica first (its ranks' batches)
-            self._in_gradient_allreduce = True
-            try:
-                self.ftar.allreduce(grads, op=ReduceOp.AVG, contributes=training,
-                                    step=plan.step)
-            finally:
-                self._in_gradient_allreduce = False
-            self.state.set_gradients(grads)
-            self._contribution = self.ledger.decode(plan.step, counts)
-        except RecoverableError as error:
+            reduce(Reduction(self.ftar, plan.step, plan.kind is StepKind.TRAIN))
+        finally:
+            self._in_gradient_allreduce = False
+
+    def allreduce_gradients(self) -> None:
+        """Finish the cross-replica average of this step's gradients (this rank's
+        ring): what hooks did not hand over is reduced now, then everything queued
+        is awaited. The gradients are final afterwards (clip them here)."""
+        if self._exchanged:
+            return
+        if not self._started:
+            raise RuntimeError("start_step() first")
+        self.reduce_gradients(self.state.reduce_gradients)
+        error = self.work.wait()
+        self._exchanged = True
+        if error is not None:
             self._error = error.with_ids(replica_id=self.identity.replica_id,
                                          rank=self.identity.rank)
+            return
+        self.state.finish_gradients()
+
+    @contextmanager
+    def training_step(self) -> Iterator[None]:
+        """``with manager.training_step(): loss.backward()``: starts the step; on
+        leaving, the gradients are averaged across replicas (then clip, then commit
+        with ``manager.commit()`` or ``FtOptimizer.step()``)."""
+        self.start_step()
+        yield
+        self.allreduce_gradients()
 
     def commit(self, loss: float | None = None) -> bool:
         """Two-phase commit inside the replica: every rank's all-reduce (and fetch) must
         have succeeded; then the optimizer step, the ledger, the audit, the snapshot.
         ``loss`` (this rank's, optional) goes into the commit event, for the timeline."""
+        self.allreduce_gradients()
         plan = self.plan
+        self._started = False
         self.faults.check(FaultPoint.BEFORE_COMMIT, plan.step)
         fetched = self._await_catch_up()
         if not self.group.all_true(self._error is None):
@@ -423,7 +498,14 @@ class Manager:
             self.controller.stop()
         if self.agent is not None:
             self.agent.stop()
+        self.work.close()
         self.ckpt.wait_persisted(self.config.ckpt.fetch_timeout)
         self.ckpt.close()
         self.ftar.close()
+        stats = self.ftar.stats()
+        self.events.emit(WorkerStopped(
+            replica_id=self.identity.replica_id, rank=self.identity.rank,
+            next_step=self.next_step, ftar_ops=stats.ops_completed,
+            ftar_ops_failed=stats.ops_failed, ftar_bytes_sent=stats.bytes_sent,
+            ftar_bytes_received=stats.bytes_received))
         self.events.close()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
-import numpy as np
-
 T = TypeVar("T")
 
 
@@ -14,7 +12,6 @@ class ReplicaGroup(Protocol):
     def broadcast(self, value: T | None) -> T: ...          # rank 0's value to every rank
     def all_gather(self, value: T) -> list[T]: ...         # in rank order
     def all_true(self, flag: bool) -> bool: ...            # the commit vote
-    def average(self, array: np.ndarray) -> None: ...      # in place, over the ranks
 
 
 class SoloGroup:
@@ -30,6 +27,3 @@ class SoloGroup:
 
     def all_true(self, flag: bool) -> bool:
         return flag
-
-    def average(self, array: np.ndarray) -> None:
-        return None

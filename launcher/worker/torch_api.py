@@ -1,85 +1,174 @@
 """PyTorch front end of the worker runtime (imports torch: training side only).
 
-Adopting it in a training script::
+An FSDP2 script adopts it in a few lines; the loop stays the script's own::
 
-    from launcher.worker.torch_api import ft_manager
-    manager = ft_manager(model, optimizer, batch_size=16)     # reads the worker env
+    from launcher.worker.torch_api import FtOptimizer, ft_manager
+
+    dist.init_process_group()                  # this replica's world: ft-launch sets
+    for block in model.blocks:                 # RANK, WORLD_SIZE, MASTER_ADDR, ...
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    manager = ft_manager(model, optimizer, batch_size=16)    # + the worker env
+    optimizer = FtOptimizer(manager)
     while manager.next_step < steps:
-        plan = manager.start_step()
-        if plan.kind is StepKind.TRAIN:
-            ids = my_sample_ids(manager.data_position)
-            model.loss(*batch(ids)).backward()
-        manager.allreduce_gradients()
-        manager.commit()
-    manager.close()
+        optimizer.zero_grad()                  # starts the step; the quorum runs beside
+        loss = model.loss(*batch(manager.data_position))
+        loss.backward()                        # FTAR per FSDP unit, beside backward
+        manager.allreduce_gradients()          # (only to clip: gradients are final here)
+        optimizer.step()                       # commits, or drops the step on every rank
+
+``with manager.training_step(): ...`` is the same as ``zero_grad`` + backward +
+``allreduce_gradients``; the explicit ``start_step / allreduce_gradients / commit``
+loop of ``Manager`` works too. DDP models reduce in a comm hook; any other model's
+gradients are reduced after backward (averaged over the replica's ranks first).
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
 from ckpt.manifest import Bytes, Manifest
 from ckpt.resident import Residency, ResidentAdam
 from ckpt.snapshot import DualBufferSnapshotter
 from ckpt.torch_state import TorchStateSource, load_train_state
+from ftar import ReduceOp
+from ftar.torch_frontend import allreduce_tensor
 from ftcore.config import Config, load_config
+from ftcore.errors import UsageError
 
 from .identity import ENV_CONFIG, ENV_INCARNATION, WorkerIdentity
-from .manager import Manager
+from .manager import Manager, Reduction
+from .torch_hooks import DdpExchange, FsdpExchange
+
+__all__ = ["FtOptimizer", "Manager", "TorchReplicaGroup", "TorchTrainState", "ft_manager"]
+
+log = logging.getLogger(__name__)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class TorchTrainState:
-    """Gradients of a model as one flat float32 buffer; the optimizer step with a
-    scaled learning rate; snapshots and loading through ``ckpt.torch_state``.
+    """A model + optimizer for the step protocol: gradient reduction (hooks, or all
+    of them after backward), the optimizer step with a scaled learning rate,
+    snapshots and loading through ``ckpt.torch_state``. Sharded (FSDP2) parameters
+    are handled as this rank's local shards, in their own dtypes.
 
     With a ``ckpt.resident.ResidentAdam`` optimizer the parameters and moments
     live in the snapshot buffers (no copy per step, see ``ckpt/resident.py``)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 group: TorchReplicaGroup | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.group = group
         self.params = [p for p in model.parameters() if p.requires_grad]
-        if any(p.dtype != torch.float32 for p in self.params):
-            raise TypeError("TorchTrainState handles float32 parameters; cast the model")
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.residency: Residency | None = None
+        self.hooks: FsdpExchange | DdpExchange | None = None
+        self._flat: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def sharded(self) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(p, DTensor) for p in self.params)
+
+    def install_hooks(self, manager: Manager) -> None:
+        """Reduce during backward (FSDP2's all-reduce hook, DDP's comm hook), unless
+        ``runtime.overlap_backward`` is off; then everything after backward."""
+        if not manager.config.runtime.overlap_backward:
+            return
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self.hooks = DdpExchange(self.model, manager.reduce_gradients)
+        elif self.sharded:
+            self.hooks = FsdpExchange(self.model, manager.reduce_gradients)
 
     def bind_snapshots(self, snapshots: DualBufferSnapshotter) -> None:
         if isinstance(self.optimizer, ResidentAdam):
-            self.residency = Residency(self.model, self.optimizer, snapshots)
+            try:
+                self.residency = Residency(self.model, self.optimizer, snapshots)
+            except TypeError as why:   # it stays an ordinary in-place Adam
+                log.warning("optimizer state not resident, snapshots copy it: %s", why)
 
-    def gradients(self) -> np.ndarray:
-        offset = 0
+    # ------------------------------------------------------------------ gradients
+
+    def reduce_gradients(self, reduction: Reduction) -> None:
+        """After backward, on the exchange thread (the training thread waits)."""
+        if self.hooks is not None:
+            if self.hooks.calls == 0:
+                raise UsageError("no gradient reached the all-reduce hooks this step",
+                                 hint="every rank must run forward and backward every step "
+                                      "(a catching-up replica contributes zeros)")
+            return
+        replicated_by_hand = (self.group is not None and self.group.ranks > 1
+                              and not self.sharded and not isinstance(
+                                  self.model, torch.nn.parallel.DistributedDataParallel))
+        with torch.no_grad():
+            for dtype, flat in self._gather().items():
+                if replicated_by_hand:  # the replica's ranks trained on different samples
+                    assert self.group is not None
+                    self.group.average_tensor(flat)
+                allreduce_tensor(reduction.ftar, flat, ReduceOp.AVG, reduction.contributes,
+                                 reduction.step)
+            self._scatter()
+
+    def _gather(self) -> dict[torch.dtype, torch.Tensor]:
+        """This rank's gradients, one flat buffer per dtype (zeros where none)."""
+        if not self._flat:
+            sizes: dict[torch.dtype, int] = {}
+            for p in self.params:
+                sizes[p.dtype] = sizes.get(p.dtype, 0) + _local(p).numel()
+            self._flat = {d: torch.zeros(n, dtype=d, device=self.params[0].device)
+                          for d, n in sizes.items()}
+        offsets = dict.fromkeys(self._flat, 0)
         for p in self.params:
-            n = p.numel()
-            view = self.flat[offset:offset + n]
+            n, start = _local(p).numel(), offsets[p.dtype]
+            view = self._flat[p.dtype][start:start + n]
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(p.grad.reshape(-1))
-            offset += n
-        return self.flat.numpy()
+                view.copy_(_local(p.grad).reshape(-1))
+            offsets[p.dtype] = start + n
+        return self._flat
 
-    def set_gradients(self, flat: np.ndarray) -> None:
-        source = torch.from_numpy(flat)
-        offset = 0
+    def _scatter(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        offsets = dict.fromkeys(self._flat, 0)
         for p in self.params:
-            n = p.numel()
-            grad = source[offset:offset + n].view_as(p)
+            local = _local(p)
+            n, start = local.numel(), offsets[p.dtype]
+            reduced = self._flat[p.dtype][start:start + n].view_as(local)
             if p.grad is None:
-                p.grad = grad.clone()
+                grad = reduced.clone()
+                p.grad = (DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
+                          if isinstance(p, DTensor) else grad)
             else:
-                p.grad.copy_(grad)
-            offset += n
+                _local(p.grad).copy_(reduced)
+            offsets[p.dtype] = start + n
+
+    def finish_gradients(self) -> None:
+        if self.hooks is not None:
+            self.hooks.finish()
 
     def zero_gradients(self) -> None:
+        if self.hooks is not None:
+            self.hooks.reset()
         self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ the step, state
 
     def apply(self, lr_factor: float) -> None:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
@@ -98,50 +187,93 @@ class TorchTrainState:
         return load_train_state(manifest, buffer, self.model, self.optimizer).loader_state
 
 
-class TorchReplicaGroup:
-    """The ranks of one replica as a gloo process group (``ReplicaGroup``).
+class FtOptimizer:
+    """The optimizer of a ``ft_manager``: ``zero_grad`` starts a step (unless one is
+    started), ``step`` commits it: the wrapped optimizer steps only if every rank
+    of the replica finished the step's all-reduce. ``step`` returns whether it did."""
 
-    Rendezvous through a file store in the run directory, named by the replica's
-    incarnation (its Slurm step, or ``FTLAUNCH_INCARNATION``), so a relaunched
-    replica never meets the store of a dead one. A rank that dies takes the group
-    with it: the replica step ends and the launcher relaunches it.
-    """
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+        state = manager.state
+        assert isinstance(state, TorchTrainState)
+        self.optimizer = state.optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if not self.manager.step_started:
+            self.manager.start_step()
+
+    def step(self, closure: Any = None, *, loss: float | None = None) -> bool:
+        if closure is not None:
+            raise UsageError("FtOptimizer.step takes no closure: the step commits once "
+                             "its all-reduce is done")
+        return self.manager.commit(loss=loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+
+class TorchReplicaGroup:
+    """The ranks of one replica: the script's torch world (its default process
+    group, initialised here from the environment if the script did not), plus a
+    gloo group of its own for the protocol (quorum answer, commit vote), so these
+    never interleave with the training's collectives.
+
+    Without ``MASTER_ADDR`` the rendezvous goes through a file store in the run
+    directory, named by the replica's incarnation (its Slurm step, or
+    ``FTLAUNCH_INCARNATION``), so a relaunched replica never meets a dead one's."""
 
     def __init__(self, identity: WorkerIdentity, timeout_s: float = 300.0) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        self.dist = dist
-        incarnation = (os.environ.get(ENV_INCARNATION)
-                       or f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}")
-        path = identity.run_dir / "rendezvous" / f"replica-{identity.replica_id}-{incarnation}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        store = dist.FileStore(str(path), identity.ranks)
-        dist.init_process_group("gloo", store=store, rank=identity.rank,
-                                world_size=identity.ranks,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if not dist.is_initialized():
+            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            if os.environ.get("MASTER_ADDR"):
+                dist.init_process_group(backend, rank=identity.rank,
+                                        world_size=identity.ranks, timeout=timeout)
+            else:
+                incarnation = (os.environ.get(ENV_INCARNATION)
+                               or f"{os.environ.get('SLURM_JOB_ID', '')}."
+                                  f"{os.environ.get('SLURM_STEP_ID', '')}")
+                path = (identity.run_dir / "rendezvous"
+                        / f"replica-{identity.replica_id}-{incarnation}")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                dist.init_process_group(backend, store=dist.FileStore(str(path), identity.ranks),
+                                        rank=identity.rank, world_size=identity.ranks,
+                                        timeout=timeout)
+        elif (dist.get_world_size(), dist.get_rank()) != (identity.ranks, identity.rank):
+            raise UsageError(
+                f"the script's process group is rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but this worker is rank {identity.rank} of the "
+                f"{identity.ranks} ranks of replica {identity.replica_id}",
+                hint="each replica is a torch world of its own: call init_process_group() "
+                     "without rank or world size (ft-launch sets RANK, WORLD_SIZE, "
+                     "MASTER_ADDR and MASTER_PORT for the replica)")
+        self.ranks = identity.ranks
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
 
     def broadcast(self, value: Any) -> Any:
         box = [value]
-        self.dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
     def all_gather(self, value: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.dist.get_world_size()
-        self.dist.all_gather_object(gathered, value)
+        gathered: list[Any] = [None] * self.ranks
+        dist.all_gather_object(gathered, value, group=self.control)
         return gathered
 
     def all_true(self, flag: bool) -> bool:
         vote = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        self.dist.all_reduce(vote, op=self.dist.ReduceOp.MIN)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.control)
         return bool(vote.item())
 
-    def average(self, array: np.ndarray) -> None:
-        """Average ``array`` in place across the replica's ranks."""
-        tensor = torch.from_numpy(array)
-        self.dist.all_reduce(tensor)
-        tensor.div_(self.dist.get_world_size())
+    def average_tensor(self, tensor: torch.Tensor) -> None:
+        """Average a CPU ``tensor`` in place across the replica's ranks."""
+        dist.all_reduce(tensor, group=self.control)
+        tensor.div_(self.ranks)
 
 
 def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_size: int,
@@ -149,12 +281,15 @@ def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_s
                ) -> Manager:
     """A ``Manager`` for this worker, from the environment ``ft-launch run`` sets.
 
-    ``batch_size`` is the replica's batch (all its ranks together). With several
-    ranks per replica, ranks form a gloo group for the commit vote and the quorum
-    broadcast; the training script averages gradients inside the replica (DDP or
-    ``manager.group.average``) before ``allreduce_gradients``."""
+    ``model``: after ``fully_shard`` (FSDP2), a ``DistributedDataParallel``, or a
+    plain module; ``batch_size`` is the replica's batch (all its ranks together).
+    A replica of several ranks uses the script's process group, or starts one."""
     if config is None:
         config = load_config(os.environ.get(ENV_CONFIG) or None)
     identity = identity or WorkerIdentity.from_env()
-    group = TorchReplicaGroup(identity) if identity.ranks > 1 else None
-    return Manager(config, identity, TorchTrainState(model, optimizer), batch_size, group=group)
+    group = (TorchReplicaGroup(identity) if identity.ranks > 1 or dist.is_initialized()
+             else None)
+    state = TorchTrainState(model, optimizer, group)
+    manager = Manager(config, identity, state, batch_size, group=group)
+    state.install_hooks(manager)
+    return manager

@@ -54,7 +54,7 @@ def test_ddp_hook_gives_the_average_of_plain_gradients(results: list[dict]) -> N
         average = np.mean([r["plain0"][param].astype(np.float64) for r in results], axis=0)
         for member in results:
             assert np.allclose(member["ddp0"][param], average, rtol=1e-5, atol=1e-7)
-    assert all(r["contributors0"] == MEMBERS for r in results)
+    assert all(r["buckets0"] >= 1 for r in results)   # FTAR in the hook, beside backward
 
 
 @pytest.mark.timeout(120)
@@ -64,7 +64,6 @@ def test_ddp_hook_leaves_out_a_member_that_does_not_contribute(results: list[dic
         for member in results:
             assert np.allclose(member["ddp1"][param], results[0]["plain1"][param],
                                rtol=1e-5, atol=1e-7)
-    assert all(r["contributors1"] == 1 for r in results)
 
 
 @pytest.mark.timeout(120)
@@ -137,34 +136,58 @@ class _Bucket:
         return self._tensor
 
 
+def _hooked(group: _FailingGroup) -> tuple[Any, Any]:
+    """The worker's DDP comm hook over ``group`` on an exchange thread, a one-rank
+    replica (no DDP model: the hook is called as DDP calls it)."""
+    from launcher.worker.exchange import StepWork
+    from launcher.worker.manager import Reduction
+    from launcher.worker.torch_hooks import DdpExchange
+
+    work = StepWork()
+    exchange = DdpExchange.__new__(DdpExchange)
+    exchange.submit = lambda reduce, after=None: work.submit(
+        lambda: reduce(Reduction(group, 9, True)), after)   # type: ignore[arg-type]
+    exchange.process_group, exchange.calls = None, 0
+    work.begin(lambda: None)
+    return work, exchange
+
+
 @pytest.mark.timeout(60)
-def test_hook_keeps_a_recoverable_error_and_skips_the_other_buckets() -> None:
+def test_hook_keeps_a_recoverable_error_and_skips_the_other_buckets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
     from ftar import PeerFailedError
     from ftar.errors import FailureKind
-    from ftar.torch_frontend import FtarHookState, ddp_comm_hook
+    from launcher.worker.torch_hooks import ddp_comm_hook
 
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     error = PeerFailedError(FailureKind.CLOSED, peer_index=1, peer_address="h:1",
                             quorum_id=3, step=9)
     group = _FailingGroup(error)
-    state = FtarHookState(group, step=9)       # type: ignore[arg-type]
-    futures = [ddp_comm_hook(state, _Bucket(torch.ones(4)))  # type: ignore[arg-type]
+    work, exchange = _hooked(group)
+    futures = [ddp_comm_hook(exchange, _Bucket(torch.ones(4)))  # type: ignore[arg-type]
                for _ in range(3)]
     assert all(torch.equal(f.wait(), torch.ones(4)) for f in futures)   # no raise in backward
+    assert work.wait() is error                                         # the commit sees it
     assert group.calls == 1                                          # queued buckets skipped
-    assert state.take_error() is error and state.take_error() is None
-    state.close()
+    work.close()
 
 
 @pytest.mark.timeout(60)
-def test_hook_fails_the_future_on_a_fatal_error() -> None:
+def test_hook_hands_a_fatal_error_to_the_training_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
-    from ftar import FtarUsageError
-    from ftar.torch_frontend import FtarHookState, ddp_comm_hook
+    import torch.distributed as dist
 
-    state = FtarHookState(_FailingGroup(FtarUsageError("members disagree")))  # type: ignore[arg-type]
-    future = ddp_comm_hook(state, _Bucket(torch.ones(4)))  # type: ignore[arg-type]
-    with pytest.raises(Exception, match="members disagree"):
-        future.wait()
-    assert state.error is None
-    state.close()
+    from ftar import FtarUsageError
+    from launcher.worker.torch_hooks import ddp_comm_hook
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    work, exchange = _hooked(_FailingGroup(FtarUsageError("members disagree")))
+    future = ddp_comm_hook(exchange, _Bucket(torch.ones(4)))  # type: ignore[arg-type]
+    assert torch.equal(future.wait(), torch.ones(4))   # backward itself goes on
+    with pytest.raises(FtarUsageError, match="members disagree"):
+        work.wait()                                    # raised where the step commits
+    work.close()

@@ -1,7 +1,8 @@
 """Test plumbing: a training-side member process using FTAR through torch.
 
-It runs a tiny model under DDP with ``ddp_comm_hook`` (DDP over a one-process
-gloo group: the replica) and, on a copy of the same model, plain backward; then
+It runs a tiny model under DDP with the worker's comm hook (DDP over a
+one-process gloo group: the replica; FTAR on the exchange thread) and, on a copy
+of the same model, plain backward; then
 the tensor front end on several dtypes. It returns inputs and outputs as numpy
 arrays, so the test process never imports torch.
 """
@@ -28,8 +29,11 @@ def member_main(conn: Connection, index: int, secret: str, store_path: str) -> N
     from torch.nn.parallel import DistributedDataParallel
 
     from ftar import FtarGroup, ReduceOp
-    from ftar.torch_frontend import FtarHookState, allreduce_tensor, ddp_comm_hook
+    from ftar.torch_frontend import allreduce_tensor
     from ftcore.config import FtarConfig
+    from launcher.worker.exchange import StepWork
+    from launcher.worker.manager import Reduction
+    from launcher.worker.torch_hooks import DdpExchange
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0,
@@ -44,21 +48,28 @@ def member_main(conn: Connection, index: int, secret: str, store_path: str) -> N
                                 torch.nn.Linear(64, 8))
     plain = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)   # several buckets
-    state = FtarHookState(group)
-    ddp.register_comm_hook(state, ddp_comm_hook)
+    work = StepWork()
+    this_step = Reduction(group, 0, True)
+
+    def submit(reduce: Any, after: Any = None) -> Any:
+        return work.submit(lambda: reduce(this_step), after)
+
+    exchange = DdpExchange(ddp, submit)
     for step, contributes in enumerate([True, index == 0]):
         gen = torch.Generator().manual_seed(1000 * step + index)
         x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
-        state.contributes, state.step = contributes, step
+        this_step = Reduction(group, step, contributes)
+        work.begin(lambda: None)
         ddp.zero_grad()
         plain.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         torch.nn.functional.mse_loss(plain(x), y).backward()
-        assert state.take_error() is None
+        assert work.wait() is None
+        out[f"buckets{step}"] = exchange.calls
+        exchange.reset()
         out[f"ddp{step}"] = [p.grad.numpy().copy() for p in ddp.parameters()]
         out[f"plain{step}"] = [p.grad.numpy().copy() for p in plain.parameters()]
-        out[f"contributors{step}"] = state.contributors
-    state.close()
+    work.close()
 
     gen = torch.Generator().manual_seed(77 + index)
     for name, dtype in [("bfloat16", torch.bfloat16), ("float16", torch.float16),

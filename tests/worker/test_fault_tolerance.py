@@ -155,8 +155,9 @@ def test_hung_replica_is_dropped_then_rejoins(tmp_path):
 
 
 def test_replicas_of_two_ranks_stay_identical_through_a_replica_failure(tmp_path):
-    """Ranks inside a replica: a gloo group for the quorum broadcast, the gradient
-    average and the commit vote; every rank rings with the same rank elsewhere."""
+    """FSDP2 replicas of two ranks (the example's default): rank k rings with rank k
+    of every replica; the restarted replica fetches its rank-k shards and every
+    rank ends with the same shards as the same rank of the other replicas."""
     job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, ranks=2)
     job.start_all({1: "kill@after_commit:10"})
     try:
@@ -164,10 +165,40 @@ def test_replicas_of_two_ranks_stay_identical_through_a_replica_failure(tmp_path
         finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
-    rank1 = [json.loads(p.read_text()) for p in (tmp_path / "final").glob("*-rank-1.json")]
-    assert len(rank1) == 3 and {f["state_sha256"] for f in rank1} == \
-        {job.finals()[0]["state_sha256"]}
+    for rank in (0, 1):
+        finals = [json.loads(p.read_text())
+                  for p in (tmp_path / "final").glob(f"*-rank-{rank}.json")]
+        assert len(finals) == 3 and len({f["state_sha256"] for f in finals}) == 1, finals
     assert any(e.caught_up for e in job.committed(1))
+
+
+def test_a_rank_killed_mid_backward_takes_its_replica_down_and_it_returns_by_shards(
+        tmp_path):
+    """FSDP2 replicas of two ranks. Rank 1 of replica 1 is SIGKILLed inside FTAR in the
+    all-reduce hook of its first gradient unit, while backward goes on. As srun's
+    --kill-on-bad-exit would, the test then ends the replica's other rank. The other
+    replicas commit on; the relaunched replica fetches each rank's shards from the same
+    rank of a survivor; every rank ends as the same rank elsewhere, every sample once."""
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, ranks=2)
+    job.start_all({1: "kill@mid_allreduce:12/1"})
+    try:
+        rank0, rank1 = job.procs[1][-1]
+        wait_until(lambda: rank1.poll() is not None, 120, "rank 1 of replica 1 to die")
+        assert rank1.returncode == -signal.SIGKILL and job.last_committed_step(1) == 11
+        rank0.kill()
+        rank0.wait(timeout=30)
+        wait_until(lambda: job.last_committed_step(0) >= 20, 120, "replica 0 to go on")
+        job.start(1)
+        finish_and_check(job, LONG_RUN)
+    finally:
+        job.stop_everything()
+    for rank in (0, 1):
+        finals = [json.loads(p.read_text())
+                  for p in (tmp_path / "final").glob(f"*-rank-{rank}.json")]
+        assert len(finals) == 3 and len({f["state_sha256"] for f in finals}) == 1, finals
+    assert any(e.caught_up for e in job.committed(1))
+    for healthy in (0, 2):
+        assert_kept_stepping(job, healthy)
 
 
 def test_two_replica_job_waits_for_its_lost_half_then_goes_on(tmp_path):

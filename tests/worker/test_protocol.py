@@ -87,6 +87,18 @@ def test_fault_spec_parsing():
     (fault,) = parse_faults("kill@mid_allreduce:7")
     assert (fault.action, fault.point, fault.step) == (FaultAction.KILL,
                                                        FaultPoint.MID_ALLREDUCE, 7)
+    assert fault.rank is None                      # every rank of the replica
     assert parse_faults("") == ()
     with pytest.raises(UsageError, match="ACTION@POINT:STEP"):
         parse_faults("kill@nowhere:1")
+
+
+def test_a_fault_for_one_rank_fires_on_that_rank_only(monkeypatch):
+    from launcher.worker.faults import ENV_INJECT, FaultInjector
+
+    monkeypatch.setenv(ENV_INJECT, "raise@start_step:3/1,stop@after_commit:4")
+    assert [f.point for f in FaultInjector.from_env(0).pending] == [FaultPoint.AFTER_COMMIT]
+    on_rank1 = FaultInjector.from_env(1)
+    assert on_rank1.armed(FaultPoint.START_STEP, 3)
+    with pytest.raises(RuntimeError, match="injected fault at start_step of step 3"):
+        on_rank1.check(FaultPoint.START_STEP, 3)

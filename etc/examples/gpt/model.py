@@ -46,14 +46,18 @@ class Gpt(nn.Module):
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits, or with ``targets`` the loss: through ``__call__`` either way, so
+        FSDP2's and DDP's forward hooks run."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok(tokens) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        logits = self.head(self.ln(x))
+        if targets is None:
+            return logits
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                           targets.reshape(-1))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.forward(tokens)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                           targets.reshape(-1))
+        return self(tokens, targets)

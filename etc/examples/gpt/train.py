@@ -1,10 +1,15 @@
-"""Train the small GPT with ft-launch's fault-tolerant step protocol.
+"""Train the example GPT with ft-launch's fault-tolerant step protocol.
 
-Run by ``ft-launch run`` (one process per rank of each replica; identity from the
-environment), or by the loopback tests and ``benchmarks/fault_run.py``.
-Prints one line per committed step; at the end writes
-``<run_dir>/final/replica-<r>.json`` with the loss and a hash of the model and
-optimizer state, so runs can be compared bit for bit.
+Each replica is a torch world of its own (``ft-launch run`` sets RANK, WORLD_SIZE,
+MASTER_ADDR, ... per replica, so ``init_process_group()`` just works); inside it
+the model is sharded with FSDP2 (``--parallel fsdp``, the default), replicated
+with DDP (``ddp``), or replicated by hand (``none``). Across replicas rank k of
+every replica averages its gradient shard with FTAR, during backward.
+
+Run by ``ft-launch run`` (one process per rank of each replica), or by the
+loopback tests and benchmarks. Prints one line per committed step; at the end
+each rank writes ``<run_dir>/final/replica-<r>-rank-<k>.json`` with the loss and a
+hash of its model and optimizer state (its shards), so runs compare bit for bit.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -27,26 +34,53 @@ from model import Gpt, GptConfig
 from ckpt.resident import ResidentAdamW
 from ftcore.logs import configure_logging
 from launcher.worker.protocol import StepKind
-from launcher.worker.torch_api import ft_manager
+from launcher.worker.torch_api import FtOptimizer, ft_manager
 
 SIZES = {"tiny": {"d_model": 32, "n_layers": 1, "n_heads": 2, "context": 32},
          "small": {"d_model": 64, "n_layers": 2, "n_heads": 4, "context": 64},
-         "default": {"d_model": 192, "n_layers": 6, "n_heads": 6, "context": 64}}
+         "default": {"d_model": 192, "n_layers": 6, "n_heads": 6, "context": 64},
+         "100m": {"d_model": 768, "n_layers": 14, "n_heads": 12, "context": 64}}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 log = logging.getLogger("train")
 
 
+def _local_bytes(tensor: torch.Tensor) -> bytes:
+    """This rank's part of a (possibly sharded) tensor, as bytes of any dtype."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+
 def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of this rank's model and optimizer state (its shards under FSDP)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
+        digest.update(_local_bytes(tensor))
     for param_id, values in sorted(optimizer.state_dict()["state"].items()):
         for key, value in sorted(values.items()):
             digest.update(f"{param_id}/{key}".encode())
             if isinstance(value, torch.Tensor):
-                digest.update(value.detach().contiguous().numpy().tobytes())
+                digest.update(_local_bytes(value))
     return digest.hexdigest()
+
+
+def parallelize(model: Gpt, how: str, param_dtype: str, reduce_dtype: str) -> torch.nn.Module:
+    """Shard (FSDP2: each block, then the root) or replicate the model in this
+    replica's torch world."""
+    if how == "none":
+        return model
+    if not dist.is_initialized():
+        dist.init_process_group()            # from RANK, WORLD_SIZE, MASTER_ADDR, ...
+    if how == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
 
 
 def main() -> int:
@@ -60,6 +94,14 @@ def main() -> int:
     parser.add_argument("--optimizer", choices=("resident-adamw", "adamw"),
                         default="resident-adamw",
                         help="AdamW with its state in the snapshot buffers (default), or torch's")
+    parser.add_argument("--parallel", choices=("fsdp", "ddp", "none"), default="fsdp",
+                        help="inside a replica: shard with FSDP2 (default), DDP, or by hand")
+    parser.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16",
+                        help="FSDP2 compute dtype of the parameters (default bf16)")
+    parser.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32",
+                        help="FSDP2 gradient reduce dtype, also FTAR's wire dtype (default fp32)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: this rank's GPU (LOCAL_RANK of the GPUs it sees)")
     parser.add_argument("--code-tag", default="",
                         help="a label for this code version, kept in the final record")
     args = parser.parse_args()
@@ -69,36 +111,43 @@ def main() -> int:
     torch.manual_seed(args.seed)  # every replica starts from the same weights
     size = SIZES[args.size]
     corpus = Corpus(context=size["context"])
-    model = Gpt(GptConfig(vocab_size=corpus.vocab_size, **size))
+    device = torch.device(args.device)
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))
+                              % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    model = Gpt(GptConfig(vocab_size=corpus.vocab_size, **size)).to(device)
+    model = parallelize(model, args.parallel, args.param_dtype, args.reduce_dtype)
     # The same numbers either way; resident-adamw keeps its state in the snapshot
     # buffers, so a snapshot every step copies nothing big (ckpt/resident.py).
     optimizer = (ResidentAdamW(model.parameters(), lr=args.lr) if args.optimizer == "resident-adamw"
                  else torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False))
     manager = ft_manager(model, optimizer, batch_size=args.batch_size)
+    optimizer = FtOptimizer(manager)
     me = manager.identity
     loss_value = float("nan")
     started = time.monotonic()
     try:
         while manager.next_step < args.steps:
-            plan = manager.start_step()
-            loss = None
-            if plan.kind is StepKind.TRAIN:
-                ids = replica_sample_ids(me.replica_id, me.num_replicas, manager.data_position,
-                                         args.batch_size)[me.rank::me.ranks]
-                tokens, targets = (torch.from_numpy(a) for a in corpus.batch(ids))
-                loss = model.loss(tokens, targets)
-                loss.backward()
-            manager.allreduce_gradients()
-            step_loss = loss.item() if loss is not None else None
-            if manager.commit(loss=step_loss):
-                if step_loss is not None:
+            optimizer.zero_grad()       # starts the step: the quorum is asked beside forward
+            # This rank's part of the replica's next batch (a catching-up replica's
+            # gradients count for nothing: it learns only when the quorum answers).
+            ids = replica_sample_ids(me.replica_id, me.num_replicas, manager.data_position,
+                                     args.batch_size)[me.rank::me.ranks]
+            tokens, targets = (torch.from_numpy(a).to(device) for a in corpus.batch(ids))
+            loss = model(tokens, targets)
+            loss.backward()
+            step_loss = loss.item()
+            if optimizer.step(loss=step_loss):
+                plan = manager.plan
+                if plan.kind is StepKind.TRAIN:
                     loss_value = step_loss
                 elapsed = time.monotonic() - started
                 log.info("replica %d step %d loss %.4f quorum %d %s %.2f steps/s",
                          me.replica_id, plan.step, loss_value, plan.quorum_id,
                          plan.kind.value, (plan.step + 1) / max(elapsed, 1e-9))
-        final = {"replica_id": me.replica_id, "step": manager.next_step - 1,
-                 "loss": loss_value, "state_sha256": state_hash(model, optimizer),
+        final = {"replica_id": me.replica_id, "rank": me.rank, "step": manager.next_step - 1,
+                 "loss": loss_value, "state_sha256": state_hash(model, optimizer.optimizer),
                  "positions": manager.ledger.positions, "code_tag": args.code_tag}
         out = me.run_dir / "final" / f"replica-{me.replica_id}-rank-{me.rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,31 @@
+"""Start one task of a replica as torchrun would: ``python -m launcher.worker.task
+-- CMD...`` sets ``RANK``, ``LOCAL_RANK`` and ``MASTER_ADDR`` of the replica's torch
+world for this task (the controller set the rest), then execs ``CMD``, so a
+script's own ``init_process_group()`` / ``init_device_mesh()`` just work."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .identity import task_world_env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        sys.stderr.write("usage: python -m launcher.worker.task -- COMMAND [ARGS...]\n")
+        return 2
+    env = {**os.environ, **task_world_env(os.environ)}
+    try:
+        os.execvpe(args[0], args, env)
+    except OSError as error:
+        sys.stderr.write(f"launcher.worker.task: cannot run {args[0]!r}: {error}\n")
+        return 127
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

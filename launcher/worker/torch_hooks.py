@@ -1,0 +1,143 @@
+"""Hooks that hand gradients to the exchange thread while backward goes on.
+
+* FSDP2: ``FSDPModule.set_all_reduce_hook`` on every unit. FSDP calls it once per
+  unit with the unit's flat reduce-scatter output (this rank's gradient shard,
+  already averaged over the replica's ranks); FTAR averages it with the same
+  rank of every other replica on the exchange thread.
+* DDP: a comm hook per bucket: the replica's own average (issued here, on the
+  training thread, so collectives keep their order), then FTAR on the exchange
+  thread; the bucket's future completes when that is done or skipped.
+
+A recoverable FTAR failure never reaches backward: the exchange thread records
+it, skips the step's remaining reductions, and the commit votes the step down.
+
+FSDP lays each parameter's gradient out as a view into the hook's buffer when
+the reduce dtype is the parameter's dtype; then the reduced values land in the
+gradients by themselves. Otherwise FSDP casts a copy right after the hook, and
+the reduced buffer is copied into the gradients at the end (``finish``). Where
+FSDP reads the buffer right after the hook (accumulating into existing
+gradients, dividing an fp16 buffer, offloading), the hook waits for its
+reduction instead: correct, without the overlap.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the comm hook's annotations
+# against the real ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftar import ReduceOp
+from ftar.torch_frontend import allreduce_tensor
+
+from .exchange import Job
+from .manager import Reduction
+
+#: Manager.reduce_gradients: queue a reduction (and what runs once it is over).
+Submit = Callable[[Callable[[Reduction], None], Callable[[], None] | None], Job]
+
+#: Reduce dtypes FSDP neither divides nor reads after the hook (see module doc).
+_UNTOUCHED_AFTER_HOOK = (torch.float32, torch.bfloat16)
+
+
+def _ready_event(tensor: torch.Tensor) -> Any:
+    """On CUDA, an event after the kernels that produced ``tensor`` (the exchange
+    thread waits for it before reading)."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _reduce(reduction: Reduction, tensor: torch.Tensor, ready: Any) -> None:
+    if ready is not None:
+        ready.synchronize()
+    allreduce_tensor(reduction.ftar, tensor, ReduceOp.AVG, reduction.contributes,
+                     reduction.step)
+
+
+class FsdpExchange:
+    """FTAR in FSDP2's all-reduce hook, one reduction per FSDP unit and step."""
+
+    def __init__(self, model: torch.nn.Module, submit: Submit) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self._submit = submit
+        self.calls = 0
+        self._copy_outs: list[tuple[list[Any], torch.Tensor]] = []
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                groups = unit._get_fsdp_state()._fsdp_param_groups
+                params = [p for g in groups for p in g.fsdp_params]
+                if params:
+                    unit.set_all_reduce_hook(self._hook_for(params))
+
+    def _hook_for(self, params: list[Any]) -> Callable[[torch.Tensor], None]:
+        def on_reduced(output: torch.Tensor) -> None:
+            self.calls += 1
+            ready = _ready_event(output)
+            job = self._submit(lambda r: _reduce(r, output, ready), None)
+            if (output.dtype not in _UNTOUCHED_AFTER_HOOK
+                    or any(p.sharded_param.grad is not None or p.offload_to_cpu
+                           for p in params)):
+                job.wait()
+            elif any(p.orig_dtype != output.dtype for p in params):
+                self._copy_outs.append((params, output))
+        return on_reduced
+
+    def finish(self) -> None:
+        """Copy reduced buffers FSDP had cast into the gradients (same layout)."""
+        with torch.no_grad():
+            for params, output in self._copy_outs:
+                offset = output.storage_offset()
+                for p in params:
+                    view = torch.as_strided(output, p.sharded_size,
+                                            p.contiguous_sharded_stride, offset)
+                    p.sharded_param.grad._local_tensor.copy_(view)
+                    offset += p.padded_sharded_param_size.numel()
+        self.reset()
+
+    def reset(self) -> None:
+        self._copy_outs.clear()
+        self.calls = 0
+
+
+class DdpExchange:
+    """FTAR in DDP's comm hook, one reduction per gradient bucket and step."""
+
+    def __init__(self, model: torch.nn.parallel.DistributedDataParallel,
+                 submit: Submit) -> None:
+        self.submit = submit
+        self.process_group = model.process_group
+        self.calls = 0
+        model.register_comm_hook(self, ddp_comm_hook)
+
+    def finish(self) -> None:
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.calls = 0
+
+
+def ddp_comm_hook(state: DdpExchange,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a bucket over the replica's ranks, then across replicas with FTAR."""
+    state.calls += 1
+    tensor = bucket.buffer()
+    ranks = dist.get_world_size(state.process_group)
+    inside = None
+    if ranks > 1:
+        tensor.div_(ranks)
+        inside = dist.all_reduce(tensor, group=state.process_group, async_op=True)
+    ready = _ready_event(tensor)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def reduce_bucket(reduction: Reduction) -> None:
+        if inside is not None:
+            inside.wait()
+        _reduce(reduction, tensor, ready)
+
+    state.submit(reduce_bucket, lambda: future.set_result(tensor))
+    return future
