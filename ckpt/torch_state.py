@@ -136,9 +136,12 @@ class TorchStateSource:
         if self._shards:
             self._meta["layout"] = build_layout(self._shards)
         if any(t.is_cuda for t in self._tensors):
-            self._stream = self._stream or torch.cuda.Stream()
+            # On the tensors' device, whatever device this thread has current: the
+            # copies must be ordered after the step that produced them there.
+            device = next(t.device for t in self._tensors if t.is_cuda)
+            self._stream = self._stream or torch.cuda.Stream(device=device)
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(device))
 
     def _add(self, name: str, tensor: torch.Tensor, eager: bool) -> None:
         if is_sharded(tensor):

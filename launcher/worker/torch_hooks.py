@@ -42,20 +42,37 @@ _UNTOUCHED_AFTER_HOOK = (torch.float32, torch.bfloat16)
 
 
 def _ready_event(tensor: torch.Tensor) -> Any:
-    """On CUDA, an event after the kernels that produced ``tensor`` (the exchange
-    thread waits for it before reading)."""
+    """On CUDA, an event after the kernels that produced ``tensor`` (on its device's
+    current stream: FSDP runs the hook inside its own stream); the exchange thread
+    waits for it before reading."""
     if not tensor.is_cuda:
         return None
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(tensor.device))
     return event
 
 
+_exchange_streams: dict[torch.device, Any] = {}
+
+
+def _exchange_stream(device: torch.device) -> Any:
+    """The exchange thread's stream on ``device``: not the default stream, or FTAR's
+    staging would queue behind all of backward's kernels there."""
+    stream = _exchange_streams.get(device)
+    if stream is None:
+        stream = _exchange_streams[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
 def _reduce(reduction: Reduction, tensor: torch.Tensor, ready: Any) -> None:
-    if ready is not None:
-        ready.synchronize()
-    allreduce_tensor(reduction.ftar, tensor, ReduceOp.AVG, reduction.contributes,
-                     reduction.step)
+    if ready is None:
+        allreduce_tensor(reduction.ftar, tensor, ReduceOp.AVG, reduction.contributes,
+                         reduction.step)
+        return
+    ready.synchronize()
+    with torch.cuda.device(tensor.device), torch.cuda.stream(_exchange_stream(tensor.device)):
+        allreduce_tensor(reduction.ftar, tensor, ReduceOp.AVG, reduction.contributes,
+                         reduction.step)
 
 
 class FsdpExchange:

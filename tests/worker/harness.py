@@ -24,12 +24,13 @@ BATCH = 8
 
 
 def loopback_job(run_dir: Path, replicas: int, steps: int, size: str = "tiny",
-                 ranks: int = 1, **config: str) -> LocalJob:
-    """``config``: FTL_* settings over ``TEST_CONFIG``."""
+                 ranks: int = 1, parallel: str = "fsdp", **config: str) -> LocalJob:
+    """``config``: FTL_* settings over ``TEST_CONFIG``; ``parallel``: inside a replica,
+    FSDP2 (the example's default), DDP or by hand (``none``)."""
     return LocalJob(run_dir, replicas,
                     [sys.executable, str(TRAIN), "--steps", str(steps), "--size", size,
-                     "--batch-size", str(BATCH), "--threads", "1"], {**TEST_CONFIG, **config},
-                    ranks=ranks)
+                     "--batch-size", str(BATCH), "--threads", "1", "--parallel", parallel],
+                    {**TEST_CONFIG, **config}, ranks=ranks)
 
 
 def check_run(job: LocalJob, steps: int) -> list[int]:

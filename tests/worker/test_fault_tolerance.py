@@ -58,6 +58,21 @@ def test_no_faults_replicas_bit_identical_and_loss_falls(tmp_path):
     assert losses[-1] < losses[0] - 0.3, losses
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "none"])
+def test_replicated_replicas_of_two_ranks_train_as_one_model(tmp_path, parallel):
+    """DDP replicas (FTAR in DDP's comm hook) and replicas averaged by hand (after
+    backward): every rank of every replica ends with the same whole model, and a
+    step's gradients count the samples of all six ranks."""
+    job = loopback_job(tmp_path, replicas=3, steps=30, ranks=2, parallel=parallel)
+    job.start_all()
+    try:
+        finish_and_check(job, 30)
+    finally:
+        job.stop_everything()
+    finals = [json.loads(p.read_text()) for p in (tmp_path / "final").glob("*.json")]
+    assert len(finals) == 6 and len({f["state_sha256"] for f in finals}) == 1
+
+
 def kill_and_restart(job: LocalJob, replica: int, inject: str, restart_after_step: int = -1):
     wait_until(lambda: job.current(replica).poll() is not None, 120,
                f"replica {replica} to die from {inject}")

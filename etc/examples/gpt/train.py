@@ -92,8 +92,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--optimizer", choices=("resident-adamw", "adamw"),
-                        default="resident-adamw",
-                        help="AdamW with its state in the snapshot buffers (default), or torch's")
+                        help="AdamW with its state in the snapshot buffers (default on cpu), "
+                             "or torch's (default on cuda: there the snapshot copy runs on "
+                             "its own stream anyway)")
     parser.add_argument("--parallel", choices=("fsdp", "ddp", "none"), default="fsdp",
                         help="inside a replica: shard with FSDP2 (default), DDP, or by hand")
     parser.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16",
@@ -120,6 +121,7 @@ def main() -> int:
     model = parallelize(model, args.parallel, args.param_dtype, args.reduce_dtype)
     # The same numbers either way; resident-adamw keeps its state in the snapshot
     # buffers, so a snapshot every step copies nothing big (ckpt/resident.py).
+    args.optimizer = args.optimizer or ("adamw" if args.device == "cuda" else "resident-adamw")
     optimizer = (ResidentAdamW(model.parameters(), lr=args.lr) if args.optimizer == "resident-adamw"
                  else torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False))
     manager = ft_manager(model, optimizer, batch_size=args.batch_size)
