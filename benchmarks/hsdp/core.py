@@ -119,11 +119,13 @@ class RunId:
 
 def ftl_command(s: RunSettings, python: str, train: Path, reduce_dtype: str) -> list[str]:
     """Arms (b)/(c): the example's own train.py with the FT-HSDP flags and the same
-    seed, batch, learning rate and threads as (a)/(d)."""
+    seed, batch, learning rate and threads as (a)/(d). Its default optimizer,
+    ResidentAdamW, computes torch's AdamW(foreach=False) bit for bit, with the state
+    in the snapshot buffers: the per-step snapshot copies nothing."""
     return [python, str(train),
             "--size", s.size, "--steps", str(s.steps), "--parallel", "fsdp",
             "--param-dtype", s.param_dtype, "--reduce-dtype", reduce_dtype,
-            "--optimizer", "adamw", "--batch-size", str(s.batch_size), "--lr", str(s.lr),
+            "--optimizer", "resident-adamw", "--batch-size", str(s.batch_size), "--lr", str(s.lr),
             "--seed", str(s.seed), "--threads", str(s.threads)]
 
 

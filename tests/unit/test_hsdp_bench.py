@@ -254,7 +254,7 @@ def test_the_ft_launch_arms_run_train_py_with_the_contract_flags():
     assert train[0] == "train.py"
     flags = dict(zip(train[1::2], train[2::2]))
     assert flags == {"--size": "100m", "--steps": "8", "--parallel": "fsdp",
-                     "--param-dtype": "bf16", "--reduce-dtype": "bf16", "--optimizer": "adamw",
+                     "--param-dtype": "bf16", "--reduce-dtype": "bf16", "--optimizer": "resident-adamw",
                      "--batch-size": "16", "--lr": "0.003", "--seed": "0", "--threads": "2"}
 
 
