@@ -4,7 +4,8 @@
                                     [--steps N] [--warmup N] [--arms A ...] [--json F]
 
 3 replicas x 2 ranks on loopback train the example GPT (``etc/examples/gpt``) at
-each size with the same seed, data streams, AdamW (foreach=False) and FSDP2
+each size with the same seed, data streams, AdamW (foreach=False; ft-launch runs
+the example's default ResidentAdamW, the same numbers bit for bit) and FSDP2
 mixed precision (params bf16, reduce fp32 unless told otherwise). The arms:
 
 * ``native_hsdp`` (a): one torch world of 6 processes over gloo, a (3, 2) mesh
@@ -21,7 +22,7 @@ Runs are paired and interleaved: each pair runs every arm once, the order rotate
 from pair to pair; ratios are medians of the per-pair ratios. A step's time is
 the difference of consecutive step-end times on replica 0 rank 0 (ft-launch: its
 ``StepCommitted`` events), warmup skipped. FTAR's wire bytes come from its own
-counters, in (b) and in one more run of (b) with ``--reduce-dtype bf16``. An arm
+counters (each rank's ``WorkerStopped`` event), in (b) and in one more run of (b) with ``--reduce-dtype bf16``. An arm
 that cannot run here is reported unavailable with the reason; the others still
 run. The JSON goes to stdout (and ``--json``), the table to stderr.
 
