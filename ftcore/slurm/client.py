@@ -165,10 +165,11 @@ class SlurmCli:
 
 def launch_logged(slurm: SlurmBackend, spec: StepSpec, log_base: Path,
                   env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Launch ``spec``; its tasks write ``<log_base>.log`` themselves (slurmstepd opens
-    it on their nodes): output forwarded through ``srun`` would block them once srun's
-    host (the batch host) is gone. srun's own messages go to ``<log_base>.srun.log``."""
-    spec = replace(spec, output=f"{log_base}.log")
+    """Launch ``spec``; each task writes ``<log_base>.<task>.log`` itself. A per-task
+    name (``%t``) is what makes slurmstepd open the file on the task's node; with one
+    name for all tasks srun writes it, and a task's output (then the task) waits on
+    srun, stalled with a hung batch host. srun's own messages: ``<log_base>.srun.log``."""
+    spec = replace(spec, output=f"{commands.literal_pattern(str(log_base))}.%t.log")
     with Path(f"{log_base}.srun.log").open("ab") as out:
         return slurm.launch_step(spec, env=env, stdout=out.fileno())
 

@@ -23,7 +23,7 @@ class StepSpec:
     #: share CPUs with other steps instead of ``--exact``: needed on a node a job got by
     #: expansion, where Slurm 22.05 leaves ``--exact`` steps pending (job core bitmap)
     overlap: bool = False
-    #: the tasks' stdout and stderr, appended to by slurmstepd on their own nodes
+    #: the tasks' stdout and stderr: a file name pattern of srun's (``%t``: the task)
     output: str | None = None
     extra_args: tuple[str, ...] = ()
 
@@ -41,9 +41,14 @@ def srun_argv(spec: StepSpec) -> list[str]:
         argv.append(f"--job-name={spec.name}")
     if spec.kill_on_bad_exit:
         argv.append("--kill-on-bad-exit=1")
-    if spec.output:   # "%%": a literal % (srun expands %j, %t, ... in file names)
-        argv += [f"--output={spec.output.replace('%', '%%')}", "--open-mode=append"]
+    if spec.output:
+        argv += [f"--output={spec.output}", "--open-mode=append"]
     return [*argv, *spec.extra_args, "--", *spec.command]
+
+
+def literal_pattern(path: str) -> str:
+    """``path`` inside an srun file name pattern (``%%``: a literal %)."""
+    return path.replace("%", "%%")
 
 
 def scancel_step_argv(step: StepRef, signal: str | None = None) -> list[str]:
