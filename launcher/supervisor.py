@@ -69,6 +69,8 @@ class Progress:
     #: (re)launched: commits count again only after the new process says it started
     #: (lines the cancelled one wrote may still be unread)
     awaiting_start: bool = False
+    #: the first commit of the current unbroken run of commits
+    moving_since: float | None = None
 
 
 class Supervisor:
@@ -275,7 +277,12 @@ class Supervisor:
             if commits:
                 # (several commits read at once: the one before was just now too)
                 previous = now if commits > 1 else progress.last_commit
-                self.progress[replica_id] = Progress(now, now, previous)
+                continuing = (progress.last_commit is not None and progress.moving_since
+                              is not None and now - progress.last_commit
+                              <= self.config.recovery.lost_timeout / 2)
+                self.progress[replica_id] = Progress(
+                    now, now, previous,
+                    moving_since=progress.moving_since if continuing else now)
                 found.append(rc.ReplicaProgressed(replica_id))
         return found
 
@@ -327,11 +334,15 @@ class Supervisor:
         # resume a few ms apart; the first to resume is not yet "steady" if the stall was
         # longer than the window, and if it was shorter the others are not over the
         # limit. A restarted replica's catch-up commit does not count either.
+        # And it must have gone on for a whole window: after a lost majority re-forms,
+        # the survivors resume one quorum round apart, and the later ones get the same
+        # window to show progress as a replica that stalled alone.
         window = timeout.lost_timeout
         steady = [rid for rid, p in self.progress.items()
                   if rid in self.replicas and now - self.replicas[rid].started > window
                   and p.last_commit is not None and p.last_commit > now - window / 2
-                  and p.previous_commit is not None and p.previous_commit > now - window]
+                  and p.previous_commit is not None and p.previous_commit > now - window
+                  and p.moving_since is not None and now - p.moving_since >= window]
         found: list[rc.Event] = []
         for replica in self.state.replicas:
             if replica.replica_id not in self.replicas:
