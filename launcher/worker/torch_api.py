@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ckpt.manifest import Bytes, Manifest
 from ckpt.resident import Residency, ResidentAdam
 from ckpt.snapshot import DualBufferSnapshotter
-from ckpt.torch_state import TorchStateSource, load_train_state
+from ckpt.torch_state import TorchStateSource, is_sharded, load_train_state, local_tensor
 from ftar import ReduceOp
 from ftar.torch_frontend import allreduce_tensor
 from ftcore.config import Config, load_config
@@ -50,13 +50,6 @@ from .torch_hooks import DdpExchange, FsdpExchange
 __all__ = ["FtOptimizer", "Manager", "TorchReplicaGroup", "TorchTrainState", "ft_manager"]
 
 log = logging.getLogger(__name__)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly sharded) tensor."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class TorchTrainState:
@@ -81,9 +74,7 @@ class TorchTrainState:
 
     @property
     def sharded(self) -> bool:
-        from torch.distributed.tensor import DTensor
-
-        return any(isinstance(p, DTensor) for p in self.params)
+        return any(is_sharded(p) for p in self.params)
 
     def install_hooks(self, manager: Manager) -> None:
         """Reduce during backward (FSDP2's all-reduce hook, DDP's comm hook), unless
@@ -129,17 +120,17 @@ class TorchTrainState:
         if not self._flat:
             sizes: dict[torch.dtype, int] = {}
             for p in self.params:
-                sizes[p.dtype] = sizes.get(p.dtype, 0) + _local(p).numel()
+                sizes[p.dtype] = sizes.get(p.dtype, 0) + local_tensor(p).numel()
             self._flat = {d: torch.zeros(n, dtype=d, device=self.params[0].device)
                           for d, n in sizes.items()}
         offsets = dict.fromkeys(self._flat, 0)
         for p in self.params:
-            n, start = _local(p).numel(), offsets[p.dtype]
+            n, start = local_tensor(p).numel(), offsets[p.dtype]
             view = self._flat[p.dtype][start:start + n]
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(_local(p.grad).reshape(-1))
+                view.copy_(local_tensor(p.grad).reshape(-1))
             offsets[p.dtype] = start + n
         return self._flat
 
@@ -148,15 +139,15 @@ class TorchTrainState:
 
         offsets = dict.fromkeys(self._flat, 0)
         for p in self.params:
-            local = _local(p)
+            local = local_tensor(p)
             n, start = local.numel(), offsets[p.dtype]
             reduced = self._flat[p.dtype][start:start + n].view_as(local)
             if p.grad is None:
                 grad = reduced.clone()
                 p.grad = (DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
-                          if isinstance(p, DTensor) else grad)
+                          if is_sharded(p) else grad)
             else:
-                _local(p.grad).copy_(reduced)
+                local_tensor(p.grad).copy_(reduced)
             offsets[p.dtype] = start + n
 
     def finish_gradients(self) -> None:

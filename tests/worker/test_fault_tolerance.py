@@ -44,6 +44,14 @@ def finish_and_check(job: LocalJob, steps: int, timeout: float = 180) -> dict[in
     return finals
 
 
+def assert_ranks_agree(run_dir, replicas: int, ranks: int) -> None:
+    """Rank k of every replica ends with the same state (its shards under FSDP2)."""
+    for rank in range(ranks):
+        finals = [json.loads(p.read_text())
+                  for p in (run_dir / "final").glob(f"*-rank-{rank}.json")]
+        assert len(finals) == replicas and len({f["state_sha256"] for f in finals}) == 1, finals
+
+
 def test_no_faults_replicas_bit_identical_and_loss_falls(tmp_path):
     job = loopback_job(tmp_path, replicas=3, steps=40)
     job.start_all()
@@ -180,10 +188,7 @@ def test_replicas_of_two_ranks_stay_identical_through_a_replica_failure(tmp_path
         finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
-    for rank in (0, 1):
-        finals = [json.loads(p.read_text())
-                  for p in (tmp_path / "final").glob(f"*-rank-{rank}.json")]
-        assert len(finals) == 3 and len({f["state_sha256"] for f in finals}) == 1, finals
+    assert_ranks_agree(tmp_path, replicas=3, ranks=2)
     assert any(e.caught_up for e in job.committed(1))
 
 
@@ -207,10 +212,7 @@ def test_a_rank_killed_mid_backward_takes_its_replica_down_and_it_returns_by_sha
         finish_and_check(job, LONG_RUN)
     finally:
         job.stop_everything()
-    for rank in (0, 1):
-        finals = [json.loads(p.read_text())
-                  for p in (tmp_path / "final").glob(f"*-rank-{rank}.json")]
-        assert len(finals) == 3 and len({f["state_sha256"] for f in finals}) == 1, finals
+    assert_ranks_agree(tmp_path, replicas=3, ranks=2)
     assert any(e.caught_up for e in job.committed(1))
     for healthy in (0, 2):
         assert_kept_stepping(job, healthy)
