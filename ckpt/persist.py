@@ -8,7 +8,11 @@ Layout under ``root``::
 A shard is written to a temp file, fsynced, renamed (its name carries a fresh
 token, so it never replaces a file a record points to), the directory fsynced,
 and only then is its record written (atomically). A crash at any point leaves
-either the old record or the new one, each naming a complete file. A step
+either the old record or the new one, each naming a complete file. A writer
+removes only the files it wrote itself: two writers of one rank's shard (replicas
+saving the same step when their controller is lost) may interleave, and the file
+one of them just named in the record must never be the other's garbage. Files
+left by a writer that lost the race or crashed go when the step is pruned. A step
 counts as a checkpoint only when every rank's record is present and names a
 file of the recorded size; the rank that loads a shard verifies every CRC.
 """
@@ -109,6 +113,7 @@ class PersistentStore:
             max_workers=1, thread_name_prefix=f"ckpt-persist-{rank}")
         self._pending: concurrent.futures.Future[ShardRecord] | None = None
         self._lock = threading.Lock()
+        self._own_files: dict[int, str] = {}   # step -> the newest shard file written here
 
     def _check_root(self, create: bool) -> None:
         try:
@@ -152,7 +157,10 @@ class PersistentStore:
             _remove_quietly(final)
             raise _as_storage_error(exc, f"write checkpoint shard of step {manifest.step}",
                                     step_dir, self.rank) from None
-        self._remove_unreferenced(step_dir, final.name)
+        replaced = self._own_files.get(manifest.step)
+        self._own_files = {manifest.step: final.name}  # only the newest step is rewritten
+        if replaced is not None and replaced != final.name:
+            _remove_quietly(step_dir / replaced)
         log.info("persisted step %d shard of rank %d (%d bytes)", manifest.step, self.rank,
                  record.file_bytes)
         return record
@@ -195,11 +203,6 @@ class PersistentStore:
             self._staging = np.empty(total, dtype=np.uint8)
         np.copyto(self._staging[:total], snap.buffer)
         return snap.manifest, self._staging
-
-    def _remove_unreferenced(self, step_dir: Path, keep_name: str) -> None:
-        for path in step_dir.glob(f"rank-{self.rank:05d}-*.h5"):
-            if path.name != keep_name:
-                _remove_quietly(path)
 
     def prune(self) -> None:
         """Remove this rank's shards older than the ``keep`` newest complete steps."""

@@ -150,6 +150,9 @@ class Manager:
         self._started = False
         self._exchanged = False
         self._plan: StepPlan | None = None
+        # the last quorum's members: a step's plan is cleared when it starts, and the
+        # lowest of these saves the state when the controller is lost (controller_loss)
+        self._last_members: tuple[int, ...] = ()
         self._catch_up: Any = None
         self._contribution: StepContribution | None = None
         self._error: BaseException | None = None
@@ -217,7 +220,7 @@ class Manager:
         exactly-once counts (small: they go before the first gradient reduction)."""
         try:
             plan = self._join_quorum()
-            self._plan = plan
+            self._plan, self._last_members = plan, plan.members
         finally:
             self._plan_ready.set()
         if plan.reconfigure:
@@ -409,7 +412,7 @@ class Manager:
         self.events.emit(ControllerLost(replica_id=me.replica_id, rank=me.rank,
                                         next_step=self.next_step, reason=reason))
         slurm = SlurmCli(self.config.slurm.command_timeout)
-        members = self._plan.members if self._plan is not None else ()
+        members = self._last_members
         if not saver_of(members, me.replica_id):
             waited = self.config.runtime.controller_timeout
             log.error("controller lost (%s): waiting up to %g s for replica %d to save the "

@@ -20,6 +20,7 @@ from ckpt.errors import (
     storage_error,
 )
 from ckpt.loader_state import LoaderStateStore
+from ckpt import persist
 from ckpt.persist import Completeness, PersistBusyError, PersistentStore, step_dir_name
 from ckpt.snapshot import DualBufferSnapshotter
 from tests.waiting import wait_until
@@ -269,3 +270,35 @@ def test_a_shard_always_carries_checksums(tmp_path):
     assert record.manifest.checksummed
     assert_state_equal(store.load(8), 8)
 
+
+
+def test_two_writers_of_one_shard_never_remove_each_others_file(tmp_path, monkeypatch):
+    """Replicas that lost their controller may save the same step into one directory at
+    once: the record written last must name a file that is still there."""
+    first, second = _store(tmp_path), _store(tmp_path)
+    write_record = persist.atomic_write_text
+    interleaved = []
+
+    def second_writes_while_first_has_not_yet_recorded(*args, **kwargs):
+        if not interleaved:   # the first writer's shard file is in place, its record not
+            interleaved.append(True)
+            _save(second, 100)
+        write_record(*args, **kwargs)
+
+    monkeypatch.setattr(persist, "atomic_write_text",
+                        second_writes_while_first_has_not_yet_recorded)
+    _save(first, 100)
+    assert interleaved and first.missing_shards(100) == []
+    assert_state_equal(first.load(100), 100)
+
+
+def test_a_rewritten_shard_replaces_its_file_and_pruning_removes_leftovers(tmp_path):
+    store, other = _store(tmp_path, keep=1), _store(tmp_path, keep=1)
+    _save(store, 100)
+    _save(store, 100)
+    _save(other, 100)             # leaves store's file behind, unreferenced
+    assert len(list((tmp_path / step_dir_name(100)).glob("rank-00000-*.h5"))) == 2
+    _save(store, 200)
+    store.prune()
+    assert store.complete_steps() == [200]
+    assert not (tmp_path / step_dir_name(100)).exists()

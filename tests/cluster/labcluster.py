@@ -312,15 +312,38 @@ def kill_node(node: str) -> list[int]:
     """Crash a whole node: every process in its network namespace stops at once, then
     dies. Stopped first (SIGSTOP) so that none of them sees another die and acts on it
     (a controller reaping its dead srun clients would cancel their steps), as no process
-    can when a real node loses power."""
+    can when a real node loses power. Killed children first: a parent dying before its
+    stopped children would orphan their process group, and the kernel wakes such a group
+    with SIGHUP and SIGCONT (an srun client woken so cancels its step)."""
     pids: list[int] = []
     while fresh := [pid for pid in namespace_pids(node) if pid not in pids]:
         for pid in fresh:            # again for any forked while the first were stopped
             _signal(pid, signal.SIGSTOP)
         pids += fresh
-    for pid in pids:
+    depth = _tree_depths(pids)
+    for pid in sorted(pids, key=lambda p: -depth[p]):
         _signal(pid, signal.SIGKILL)
     return pids
+
+
+def _tree_depths(pids: list[int]) -> dict[int, int]:
+    """Each process's depth below the others of ``pids`` (0: its parent is not one)."""
+    parents = {pid: _parent(pid) for pid in pids}
+
+    def depth(pid: int) -> int:
+        levels = 0
+        while (pid := parents.get(pid, 0)) in parents and levels < len(parents):
+            levels += 1
+        return levels
+
+    return {pid: depth(pid) for pid in pids}
+
+
+def _parent(pid: int) -> int:
+    try:   # the command may hold spaces or parentheses: the fields after its last ")"
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, IndexError, ValueError):
+        return 0
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt.persist import step_dir_name
 from launcher import events as controller_events
 from launcher import versions
 from launcher.events import EventTail
@@ -380,6 +381,11 @@ def test_losing_the_batch_host_requeues_the_job_and_it_resumes_from_the_newest_s
                controller_timeout + 30 + 30, "the workers to requeue the job")
     (ended,) = run.worker_events(worker_events.AllocationEnded)
     assert ended.outcome == f"job {run.job_id} requeued" and ended.saved_step is not None
+    # the lowest replica of the last quorum saved and requeued; the others saw it and
+    # wrote nothing
+    assert ended.replica_id == 0
+    saved = run.run_dir / "ftl-ckpt" / step_dir_name(ended.saved_step)
+    assert len(list(saved.glob("rank-00000-*.h5"))) == 1
     lost = run.worker_events(worker_events.ControllerLost)
     assert lost and all(re.search(r"no controller heartbeat for \d", e.reason) for e in lost)
     before = [e.step for c in commits(run.run_dir).values() for e in c if e.time <= ended.time]

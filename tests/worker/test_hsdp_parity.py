@@ -45,12 +45,14 @@ def run_native(out: Path, replicas: int, reduce_dtype: str) -> None:
     assert codes == [0] * len(procs)
 
 
-def run_ft(tmp_path: Path, out: Path, replicas: int, reduce_dtype: str) -> LocalJob:
+def run_ft(tmp_path: Path, out: Path, replicas: int, reduce_dtype: str,
+           overlap: bool = True) -> LocalJob:
     job = LocalJob(tmp_path / "run", replicas=replicas, ranks=RANKS,
                    command=[sys.executable, str(WORKER), "--mode", "ft", "--out", str(out),
                             "--replicas", str(replicas), "--steps", str(STEPS),
                             "--reduce-dtype", reduce_dtype],
-                   config_env={"FTL_QUORUM_JOIN_TIMEOUT": "1"})
+                   config_env={"FTL_QUORUM_JOIN_TIMEOUT": "1",
+                               "FTL_RUNTIME_OVERLAP_BACKWARD": str(overlap).lower()})
     job.start_all()
     try:
         assert job.wait_all(timeout=patience(180)) == {r: 0 for r in range(replicas)}, \
@@ -60,14 +62,17 @@ def run_ft(tmp_path: Path, out: Path, replicas: int, reduce_dtype: str) -> Local
     return job
 
 
-@pytest.mark.parametrize(("replicas", "reduce_dtype", "exact"),
-                         [(2, "fp32", True), (2, "bf16", True), (3, "fp32", False)])
+@pytest.mark.parametrize(("replicas", "reduce_dtype", "exact", "overlap"),
+                         [(2, "fp32", True, True), (2, "bf16", True, True),
+                          (3, "fp32", False, True),
+                          # runtime.overlap_backward = false: every shard after backward
+                          (2, "fp32", True, False)])
 def test_ft_hsdp_matches_native_hsdp(tmp_path: Path, replicas: int, reduce_dtype: str,
-                                     exact: bool) -> None:
+                                     exact: bool, overlap: bool) -> None:
     out = tmp_path / "out"
     out.mkdir()
     run_native(out, replicas, reduce_dtype)
-    run_ft(tmp_path, out, replicas, reduce_dtype)
+    run_ft(tmp_path, out, replicas, reduce_dtype, overlap)
     compared = 0
     for replica in range(replicas):
         for rank in range(RANKS):
