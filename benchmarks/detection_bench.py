@@ -52,7 +52,7 @@ REPLICAS, STAGES = 4, 2
 RANKS = REPLICAS * STAGES
 COMPUTE_S = 0.05          # forward and backward each, per stage
 WAIT_LIMIT_S = 300.0      # a worker gives up (exits) if a wait lasts longer
-SECRET_ENV = "FTLAUNCH_JOB_SECRET"
+SECRET_ENV = "FTL_WORKER_SECRET"
 
 
 # =========================================================================== worker side

@@ -5,7 +5,7 @@
                                   [--png ettr_vs_scale.png] [--json FILE]
 
 ETTR (effective training time ratio) = useful replica-time / (replicas x wall
-time), from the discrete-event model in ``launcher/ettr.py``: failures (a
+time), from the discrete-event model in ``launcher/reporting/ettr.py``: failures (a
 periodic trace, or per-node Poisson processes), each costing a whole-job stall
 and, for asynchronous recovery, a degraded period with one replica out;
 a warm-standby pool that falls back to a reschedule when empty.
@@ -42,7 +42,7 @@ for path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from ftcore.config import QuorumConfig
-from launcher.ettr import (
+from launcher.reporting.ettr import (
     JobModel,
     RecoveryParts,
     Strategy,
@@ -52,7 +52,7 @@ from launcher.ettr import (
     periodic_failures,
     standby_size,
 )
-from launcher.pngplot import line_plot
+from launcher.reporting.plots import line_plot
 
 MIN = 60.0
 DAY = 86_400.0

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.report import commits
+from launcher.reporting.runlog import commits
 from launcher.worker.events import StepCommitted
 from tests.cluster import labcluster
 
@@ -122,16 +122,16 @@ def run_requeue(out: Path, args: argparse.Namespace) -> dict[str, float]:
     script.write_text("\n".join([
         "#!/bin/bash",
         "set -euo pipefail",
-        f"export FTLAUNCH_NUM_REPLICAS=3 FTLAUNCH_RUN_DIR={run_dir}",
-        "export FTLAUNCH_RANK=0 FTLAUNCH_RANKS=1  # each task is a whole replica",
-        f"export FTLAUNCH_JOB_SECRET={'ab' * 32} FTL_CKPT_PERSIST_EVERY={args.persist_every}",
+        f"export FTL_WORKER_NUM_REPLICAS=3 FTL_WORKER_RUN_DIR={run_dir}",
+        "export FTL_WORKER_RANK=0 FTL_WORKER_RANKS=1  # each task is a whole replica",
+        f"export FTL_WORKER_SECRET={'ab' * 32} FTL_CKPT_PERSIST_EVERY={args.persist_every}",
         *[f"export {item}" for item in FAST],
         # Plain data parallelism: every replica is needed for a step, and survivors wait
         # (like a hung collective) until Slurm kills and requeues the job.
         "export FTL_QUORUM_MIN_REPLICAS=3 FTL_RUNTIME_MAX_CONSECUTIVE_FAILURES=100000",
         # one step for all replicas, like torchrun: one failure ends (and requeues) the job
         "exec srun --kill-on-bad-exit=1 -N3 -n3 --ntasks-per-node=1 bash -c "
-        f"'FTLAUNCH_REPLICA_ID=$SLURM_PROCID exec {train}'", ""]))
+        f"'FTL_WORKER_REPLICA_ID=$SLURM_PROCID exec {train}'", ""]))
     job = sbatch([f"--chdir={REPO}", f"--output={out}/requeue-%j.out", "--requeue", "-N3",
                   str(script)])
     return kill_and_measure(job, run_dir, args)

@@ -60,7 +60,7 @@ import quorum_bench as qb
 
 from ftcore.config import FtarConfig
 from ftcore.ids import new_job_secret
-from launcher.pngplot import line_plot
+from launcher.reporting.plots import line_plot
 from launcher.worker.protocol import QuorumView, plan_step
 
 TARGET_ROUND_MS = 700.0

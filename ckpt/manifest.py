@@ -312,11 +312,6 @@ def _has_nonfinite(spec: TensorSpec, buffer: Bytes) -> bool:
     return False
 
 
-def descs_of(arrays: Mapping[str, npt.NDArray[Any]]) -> list[TensorDesc]:
-    """Descriptions of plain numpy arrays (dtype names are numpy's)."""
-    return [TensorDesc(name, np.dtype(a.dtype).name, tuple(a.shape)) for name, a in arrays.items()]
-
-
 @dataclass(frozen=True)
 class ShardInfo:
     """How one tensor of a rank's state is sharded (what ``layout`` records for it).

@@ -4,7 +4,7 @@ The training loop calls three things::
 
     ckpt.before_optimizer_step()                    # waits only if the last copy runs late
     optimizer.step()
-    ckpt.after_optimizer_step(step, source, loader_state)
+    ckpt.after_optimizer_step(step, source)
 
 and, when behind, ``ckpt.catch_up(peers, step)`` then ``.result()`` at the
 commit point; after a restart, ``ckpt.restore_chain(...).restore(step)``.
@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from ftcore.config import CkptConfig
 from ftcore.events import EventLog
@@ -30,7 +28,6 @@ from ftcore.events import EventLog
 from .backup import BackupSender, BackupStore
 from .dual import Allocator, numpy_allocator
 from .fetch import CatchUp, Peer
-from .loader_state import LoaderStateStore
 from .persist import Completeness, PersistBusyError, PersistentStore, ShardRecord
 from .restore import DiskTier, MemoryTier, PeerTier, RestoreChain, Tier, TierKind
 from .serve import StateServer
@@ -78,7 +75,6 @@ class RankCheckpointer:
         self.persist_on_schedule = persist
         self.local = (self._store(config.local_dir, Completeness.OWN_SHARD, create_dirs)
                       if config.local_dir else None)
-        self.loader = LoaderStateStore(Path(config.dir), rank=place.rank, durable=config.durable)
         self.sender = (BackupSender(self.snapshots.buffers, backup_peer, secret, rank=place.rank,
                                     every=config.backup_every,
                                     timeout=config.fetch_timeout).start()
@@ -97,11 +93,11 @@ class RankCheckpointer:
     def before_optimizer_step(self) -> None:
         self.snapshots.wait_ready()
 
-    def after_optimizer_step(self, step: int, source: StateSource,
-                             loader_state: Mapping[str, Any]) -> None:
-        """Start the snapshot of the committed ``step``; persist it if due."""
+    def after_optimizer_step(self, step: int, source: StateSource) -> None:
+        """Start the snapshot of the committed ``step`` (its loader state rides in
+        ``source``'s meta, so every copy resumes the data where it left off); persist
+        it if due."""
         self.snapshots.start(step, source)
-        self.loader.write(step, loader_state)
         scheduled = (self.persistent if self.persist_on_schedule else None, self.local)
         for store in scheduled:
             if store is not None and store.should_persist(step):

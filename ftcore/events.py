@@ -94,14 +94,6 @@ class RunStarted(Event):
 
 
 @dataclass(frozen=True)
-class StepLaunched(Event):
-    job_id: str
-    replica_id: int
-    step_id: str
-    nodes: list[str]
-
-
-@dataclass(frozen=True)
 class StepEnded(Event):
     job_id: str
     replica_id: int

@@ -15,12 +15,12 @@ from ftcore.errors import ConfigError, ExitCode
 from ftcore.logs import configure_logging
 
 from .profile import run_profile
-from .settings import CONFIG_ENV, load_settings
+from .settings import ENV_CONFIG, load_settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m health", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", help=f"admin health config (default: ${CONFIG_ENV})")
+    parser.add_argument("--config", help=f"admin health config (default: ${ENV_CONFIG})")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one profile on this node")
     run.add_argument("--profile", default="diagnosis")

@@ -19,12 +19,12 @@ from ftcore.logs import log_sampled
 
 from .wire import (
     MAX_FRAME_BYTES,
-    Envelope,
+    REASONS,
+    HealthEnvelope,
     MessageKind,
-    Rejection,
+    Rejected,
     ReplayGuard,
     Sequencer,
-    WireError,
     decode,
     encode,
 )
@@ -95,17 +95,17 @@ class Collector:
         self.endpoint: str = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._guard = ReplayGuard()
         #: Messages dropped since start, by ``Rejection`` value (for the status view).
-        self.rejections: dict[str, int] = dict.fromkeys((r.value for r in Rejection), 0)
+        self.rejections: dict[str, int] = dict.fromkeys((r.value for r in REASONS), 0)
 
     @property
     def rejected(self) -> int:
         """All messages dropped so far."""
         return sum(self.rejections.values())
 
-    def poll(self, timeout: float) -> list[Envelope]:
+    def poll(self, timeout: float) -> list[HealthEnvelope]:
         """Messages that arrive within ``timeout`` seconds (those already queued, up
         to ``MAX_PER_POLL`` received or rejected)."""
-        received: list[Envelope] = []
+        received: list[HealthEnvelope] = []
         if not self._socket.poll(int(timeout * 1000)):
             return received
         for _ in range(MAX_PER_POLL):
@@ -115,16 +115,14 @@ class Collector:
                 return received
             try:
                 envelope = decode(self.secret, [frame.bytes for frame in frames])
-                if not self._guard.accept(envelope):
-                    raise WireError(f"sequence {envelope.seq} from {envelope.sender} "
-                                    f"already seen", Rejection.REPLAYED)
-            except WireError as exc:
+                self._guard.check(envelope)
+            except Rejected as exc:
                 self._reject(exc, frames[0])
                 continue
             received.append(envelope)
         return received
 
-    def _reject(self, exc: WireError, first: zmq.Frame) -> None:
+    def _reject(self, exc: Rejected, first: zmq.Frame) -> None:
         name = exc.reason.value
         self.rejections[name] += 1
         log_sampled(log, self.rejections[name], "rejected health message from %s (%s): %s",

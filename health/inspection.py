@@ -17,13 +17,14 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ftcore.env import ENV_SECRET
 from ftcore.logs import configure_logging
 
 from .channel import Sender
 from .gpu_facts import GpuBackend
 from .profile import ProfileReport, run_profile
 from .result import CheckStatus
-from .settings import CONFIG_ENV, HealthSettings, load_settings
+from .settings import ENV_CONFIG, HealthSettings, load_settings
 from .wire import Envelope, MessageKind, new_sender_id
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class InspectionAgent:
         self.backend.close()
 
 
-SECRET_ENV = "FTLAUNCH_JOB_SECRET"
+SECRET_ENV = ENV_SECRET
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--node", default=os.environ.get("SLURMD_NODENAME", ""))
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--profile", default="inspection")
-    parser.add_argument("--config", help=f"admin health config (default: ${CONFIG_ENV})")
+    parser.add_argument("--config", help=f"admin health config (default: ${ENV_CONFIG})")
     parser.add_argument("--secret-env", default=SECRET_ENV,
                         help="environment variable holding the job secret")
     args = parser.parse_args(argv)

@@ -3,8 +3,8 @@ each group as one Slurm step (``SrunGroupLauncher``) or, for tests and
 single-machine trials, as local processes (``LocalGroupLauncher``). Groups of a
 phase run side by side (their machines are disjoint).
 
-Each group's processes get ``FTLAUNCH_REPLAY_GROUP`` (``row2``/``col0``) and
-``FTLAUNCH_REPLAY_NODES`` (comma-separated) in their environment.
+Each group's processes get ``FTL_WORKER_REPLAY_GROUP`` (``row2``/``col0``) and
+``FTL_WORKER_REPLAY_NODES`` (comma-separated) in their environment.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from ftcore.env import ENV_REPLAY_GROUP, ENV_REPLAY_NODES
 from ftcore.slurm.client import SlurmCli
 from ftcore.slurm.commands import StepSpec
 
@@ -39,7 +40,7 @@ class GroupLauncher(Protocol):
 
 
 def group_env(label: str, nodes: Sequence[str]) -> dict[str, str]:
-    return {"FTLAUNCH_REPLAY_GROUP": label, "FTLAUNCH_REPLAY_NODES": ",".join(nodes)}
+    return {ENV_REPLAY_GROUP: label, ENV_REPLAY_NODES: ",".join(nodes)}
 
 
 def _finish(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, str]:

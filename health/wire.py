@@ -1,15 +1,17 @@
 """Signed messages from nodes and ranks to the controller (ZeroMQ frames).
 
-Frames: ``[PROTOCOL, kind, body, mac]``; ``body`` is JSON with the sender, a
-per-sender sequence number and the send time; ``mac`` is HMAC-SHA256 over the
-protocol, kind and body with the job secret (``ftcore.ids.sign``). The
-receiver drops anything unsigned, malformed or replayed (sequence not above the
-last one seen from that sender); a restarted sender picks a new sender id.
+Frames: ``[PROTOCOL, kind, body, mac]``, the shared signed envelope of
+``ftcore.envelope`` (tagged with ``PROTOCOL``); ``body`` is JSON with the
+sender, a per-sender sequence number and the send time; ``mac`` is HMAC-SHA256
+over the protocol, kind and body with the job secret. The receiver drops
+anything unsigned, malformed or replayed (sequence not above the last one seen
+from that sender: ``ftcore.envelope.ReplayGuard``); a restarted sender picks a
+new sender id.
 
 A signed message is still only data: ``decode`` checks every field the
 controller reads (types, finite numbers, ranges, lengths) against the schema of
 its kind, so a buggy or hostile secret holder gets its message dropped
-(``WireError``), never an exception in the controller.
+(``WireError``, the shared ``Rejected``), never an exception in the controller.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ import math
 import os
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from ftcore.ids import sign, verify
+from ftcore.envelope import Envelope, Rejected, Rejection, ReplayGuard, Seal
 
 from .result import CheckStatus
+
+__all__ = ["MAX_FRAME_BYTES", "PROTOCOL", "REASONS", "Envelope", "HealthEnvelope", "MessageKind",
+           "Rejected", "Rejection", "ReplayGuard", "Sequencer", "WireError", "decode", "encode",
+           "new_sender_id", "read_number", "write_number"]
 
 PROTOCOL = b"ftl-health/1"
 #: The largest frame accepted (and sent). An inspection report is ~1.2 KiB with
@@ -39,11 +43,6 @@ MAX_TEXT_CHARS = 4096         # a check's reason (it becomes a drain reason)
 MAX_RESULTS = 1024            # checks in one report
 MAX_SEQ = 2**63 - 1
 MAX_RANK = 2**31 - 1
-#: Senders whose last sequence number is remembered; beyond it the least recently
-#: heard is forgotten. Only a secret holder can add senders (8 ranks x 1,000
-#: nodes, restarted a few times, stay far below), so memory is bounded while a
-#: replayed recording, which adds none, cannot push a live sender out.
-MAX_SENDERS = 65536
 _NON_FINITE = ("nan", "inf", "-inf")
 
 
@@ -53,21 +52,18 @@ class MessageKind(enum.Enum):
     HEARTBEAT = "heartbeat"    # a rank or agent is alive
 
 
-class Rejection(enum.Enum):
-    """Why a message was dropped (the collector counts each)."""
+#: What the collector counts drops by (``ftcore.envelope.Rejection``: a health
+#: message has no recipient and no age limit).
+REASONS = (Rejection.MALFORMED, Rejection.BAD_SIGNATURE, Rejection.INVALID, Rejection.REPLAYED)
+#: A message that must be dropped (bad signature, malformed, invalid, replayed).
+WireError = Rejected
+#: A health message as the collector hands it on: sender name, JSON body.
+HealthEnvelope = Envelope[str, Mapping[str, Any]]
 
-    MALFORMED = "malformed"          # not health frames, or too large to check
-    BAD_SIGNATURE = "bad_signature"
-    INVALID = "invalid"              # signed, but a field is missing, mistyped or out of range
-    REPLAYED = "replayed"
 
-
-class WireError(ValueError):
-    """A message that must be dropped (bad signature, malformed, replayed)."""
-
-    def __init__(self, detail: str, reason: Rejection = Rejection.INVALID) -> None:
-        self.reason = reason
-        super().__init__(detail)
+def _invalid(detail: str) -> Rejected:
+    """A signed message whose field is missing, mistyped or out of range."""
+    return Rejected(Rejection.INVALID, detail)
 
 
 def write_number(value: float | None) -> float | str | None:
@@ -85,17 +81,8 @@ def read_number(value: object) -> float | None:
         return float(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise WireError(f"not a number: {_shown(value)} (expected a number, 'nan', 'inf' "
+    raise _invalid(f"not a number: {_shown(value)} (expected a number, 'nan', 'inf' "
                     f"or '-inf')")
-
-
-@dataclass(frozen=True)
-class Envelope:
-    kind: MessageKind
-    sender: str
-    seq: int
-    sent: float
-    body: Mapping[str, Any] = field(default_factory=dict)
 
 
 def new_sender_id(name: str) -> str:
@@ -103,31 +90,30 @@ def new_sender_id(name: str) -> str:
     return f"{name}/{os.getpid()}/{secrets.token_hex(4)}"
 
 
-def encode(secret: str, envelope: Envelope) -> list[bytes]:
+def _seal(secret: str) -> Seal:
+    return Seal(secret, PROTOCOL, parts=2, tagged=True, max_part_bytes=MAX_FRAME_BYTES)
+
+
+def encode(secret: str, envelope: HealthEnvelope) -> list[bytes]:
     kind = envelope.kind.value.encode()
-    body = json.dumps({"sender": envelope.sender, "seq": envelope.seq, "sent": envelope.sent,
+    body = json.dumps({"sender": envelope.sender, "seq": envelope.seq, "sent": envelope.sent_at,
                        "body": envelope.body}, separators=(",", ":")).encode()
-    return [PROTOCOL, kind, body, sign(secret, PROTOCOL, kind, body)]
+    return _seal(secret).seal(kind, body)
 
 
-def decode(secret: str, frames: Sequence[bytes]) -> Envelope:
+def decode(secret: str, frames: Sequence[bytes]) -> HealthEnvelope:
     """The verified, schema-checked envelope; ``WireError`` for anything else."""
-    if len(frames) != 4 or frames[0] != PROTOCOL:
-        raise WireError("not an ft-launch health message", Rejection.MALFORMED)
-    _, kind, body, mac = frames
-    if max(len(kind), len(body), len(mac)) > MAX_FRAME_BYTES:
-        raise WireError(f"a frame exceeds {MAX_FRAME_BYTES} bytes", Rejection.MALFORMED)
-    if not verify(secret, mac, PROTOCOL, kind, body):
-        raise WireError("bad signature", Rejection.BAD_SIGNATURE)
+    kind, body = _seal(secret).open(frames)
     try:
         message_kind = MessageKind(kind.decode("ascii"))
         raw = json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise WireError(f"malformed body: {str(exc)[:80]}") from None
+        raise _invalid(f"malformed body: {str(exc)[:80]}") from None
     fields = _mapping(raw, "message")
-    envelope = Envelope(message_kind, _name(fields.get("sender"), "sender"),
-                        _integer(fields.get("seq"), "seq", 0, MAX_SEQ),
-                        _finite(fields.get("sent"), "sent"), _mapping(fields.get("body"), "body"))
+    envelope: HealthEnvelope = Envelope(
+        message_kind, _name(fields.get("sender"), "sender"),
+        _integer(fields.get("seq"), "seq", 0, MAX_SEQ), _finite(fields.get("sent"), "sent"),
+        _mapping(fields.get("body"), "body"))
     _BODY_SCHEMA[message_kind](envelope.body)
     return envelope
 
@@ -142,13 +128,13 @@ def _metrics(body: Mapping[str, Any]) -> None:
     _integer(body.get("rank"), "body.rank", 0, MAX_RANK)
     _integer(body.get("step"), "body.step", 0, MAX_SEQ)
     if "loss" not in body:
-        raise WireError("field 'body.loss' is missing (expected a number, 'nan', 'inf' or "
+        raise _invalid("field 'body.loss' is missing (expected a number, 'nan', 'inf' or "
                         "'-inf')")
     for name in ("loss", "grad_norm", "step_time"):
         try:
             read_number(body.get(name))
         except WireError as exc:
-            raise WireError(f"field 'body.{name}': {exc}") from None
+            raise _invalid(f"field 'body.{name}': {exc}") from None
     if body.get("tokens") is not None:
         _integer(body.get("tokens"), "body.tokens", 0, MAX_SEQ)
 
@@ -163,7 +149,7 @@ def _report(body: Mapping[str, Any]) -> None:
             _finite(body[name], f"body.{name}")
     results = body.get("results")
     if not isinstance(results, list) or len(results) > MAX_RESULTS:
-        raise WireError(f"field 'body.results' must be a list of at most {MAX_RESULTS} "
+        raise _invalid(f"field 'body.results' must be a list of at most {MAX_RESULTS} "
                         f"check results, got {_shown(results)}")
     for index, result in enumerate(results):
         where = f"body.results[{index}]"
@@ -191,14 +177,14 @@ def _shown(value: object) -> str:
 
 def _mapping(value: object, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise WireError(f"field '{where}' must be a JSON object, got {_shown(value)}")
+        raise _invalid(f"field '{where}' must be a JSON object, got {_shown(value)}")
     return value
 
 
 def _integer(value: object, where: str, low: int, high: int) -> int:
     # bool is an int in Python, and 1.0 or "1" is not what a sender writes.
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise WireError(f"field '{where}' must be an integer {low}..{high}, "
+        raise _invalid(f"field '{where}' must be an integer {low}..{high}, "
                         f"got {_shown(value)}")
     return value
 
@@ -206,13 +192,13 @@ def _integer(value: object, where: str, low: int, high: int) -> int:
 def _finite(value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value):
-        raise WireError(f"field '{where}' must be a finite number, got {_shown(value)}")
+        raise _invalid(f"field '{where}' must be a finite number, got {_shown(value)}")
     return float(value)
 
 
 def _text(value: object, where: str, limit: int) -> str:
     if not isinstance(value, str) or len(value) > limit:
-        raise WireError(f"field '{where}' must be a string of at most {limit} characters, "
+        raise _invalid(f"field '{where}' must be a string of at most {limit} characters, "
                         f"got {_shown(value)}")
     return value
 
@@ -220,33 +206,15 @@ def _text(value: object, where: str, limit: int) -> str:
 def _name(value: object, where: str) -> str:
     text = _text(value, where, MAX_NAME_CHARS)
     if not text or not text.isprintable():
-        raise WireError(f"field '{where}' must be a non-empty printable name, "
+        raise _invalid(f"field '{where}' must be a non-empty printable name, "
                         f"got {_shown(value)}")
     return text
 
 
 def _status(value: object, where: str) -> None:
     if not isinstance(value, str) or value not in _STATUSES:
-        raise WireError(f"field '{where}' must be one of {sorted(_STATUSES)}, "
+        raise _invalid(f"field '{where}' must be one of {sorted(_STATUSES)}, "
                         f"got {_shown(value)}")
-
-
-class ReplayGuard:
-    """Accepts each sender's messages only in increasing sequence order."""
-
-    def __init__(self, max_senders: int = MAX_SENDERS) -> None:
-        self.max_senders = max_senders
-        self._last: OrderedDict[str, int] = OrderedDict()
-
-    def accept(self, envelope: Envelope) -> bool:
-        last = self._last.get(envelope.sender)
-        if last is not None and envelope.seq <= last:
-            return False
-        self._last[envelope.sender] = envelope.seq
-        self._last.move_to_end(envelope.sender)
-        if len(self._last) > self.max_senders:
-            self._last.popitem(last=False)
-        return True
 
 
 class Sequencer:
@@ -256,6 +224,6 @@ class Sequencer:
         self.sender = sender
         self._seq = 0
 
-    def next(self, kind: MessageKind, body: Mapping[str, Any]) -> Envelope:
+    def next(self, kind: MessageKind, body: Mapping[str, Any]) -> HealthEnvelope:
         self._seq += 1
         return Envelope(kind, self.sender, self._seq, time.time(), body)

@@ -19,19 +19,21 @@ from pathlib import Path
 from ftcore.config import Config, load_config, save_config
 from ftcore.errors import ConfigError, ExitCode, FtError, TerminalAbort, UsageError
 from ftcore.events import EventLog, RunStarted
+from ftcore.files import atomic_write_text
 from ftcore.ids import new_job_secret
 from ftcore.logs import configure_logging
 from ftcore.slurm.allocation import Allocation, allocation_of_job
 from ftcore.slurm.client import SlurmCli
 from ftcore.slurm.hostlist import compress, expand
 
-from .ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_size
 from .heartbeat import heartbeat_path
 from .plan import JOB_FLAGS, LaunchPlan, check_cpus, plan_allocation
-from .report import status_text, summarize
+from .reporting.ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_size
+from .reporting.live import show, watch
+from .reporting.plots import render_timeline
+from .reporting.summary import summarize
 from .submit import release_allocation, submit
 from .supervisor import Supervisor
-from .timeline import render_timeline
 from .versions import write_update_request
 from .worker.identity import (
     ENV_CONFIG,
@@ -121,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir", type=Path, nargs="?",
                         help="run directory (default: <run.log_dir>/$SLURM_JOB_ID)")
     status.add_argument("--summary", action="store_true", help="print the run summary (JSON)")
+    status.add_argument("--watch", action="store_true",
+                        help="keep the view on screen, updated in place, until the run ends "
+                             "(when stdout is not a terminal: new events, one line each)")
+    status.add_argument("--total-steps", type=int, metavar="N",
+                        help="the steps the run trains for: progress bars fill to N "
+                             "(default: to the leading replica's step)")
 
     update = sub.add_parser(
         "update", help="hot-update the training command of a running job",
@@ -140,8 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "directory's point of view: its files are digested now)")
 
     timeline = sub.add_parser("timeline", help="draw a run's timeline (PNG)",
-                              description="Replica states (training, down, recovering, "
-                                          "finished) and committed steps over time.")
+                              description="Replica states (starting, training, down, "
+                                          "finished), failures, promotions and the loss "
+                                          "(else the committed step) over time. Needs "
+                                          "matplotlib: pip install 'ft-launch[plot]'.")
     timeline.add_argument("run_dir", type=Path, nargs="?",
                           help="run directory (default: <run.log_dir>/$SLURM_JOB_ID)")
     timeline.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/timeline.png)")
@@ -278,14 +288,20 @@ def _run(args: argparse.Namespace, config: Config, slurm: SlurmCli) -> int:
         events.emit(RunStarted(job_id=allocation.job_id, replicas=config.job.replicas,
                                nodes=list(allocation.nodes)))
         code = Supervisor(config, plan, slurm, run_dir, worker_env, events).run()
+    write_run_report(run_dir)
+    return code
+
+
+def write_run_report(run_dir: Path) -> None:
+    """The run's summary.json and timeline picture, printed. The run is over: a failure
+    here (a full disk, an unreadable log) is logged and never replaces its exit code."""
     try:
         summary = summarize(run_dir)
-        (run_dir / "summary.json").write_text(summary.to_json() + "\n")
+        atomic_write_text(run_dir / "summary.json", summary.to_json() + "\n")
         sys.stdout.write(f"summary ({run_dir / 'summary.json'}):\n{summary.to_json()}\n")
         sys.stdout.write(f"timeline: {render_timeline(run_dir, run_dir / 'timeline.png')}\n")
-    except (ValueError, UsageError) as error:
-        log.warning("no summary: %s", error)
-    return code
+    except (ValueError, OSError, FtError) as error:
+        log.warning("no run report: %s", error)
 
 
 def _run_dir(args: argparse.Namespace, config: Config) -> Path:
@@ -323,8 +339,10 @@ def command_status(args: argparse.Namespace, config: Config) -> int:
     run_dir = _run_dir(args, config)
     if args.summary:
         sys.stdout.write(summarize(run_dir).to_json() + "\n")
+    elif args.watch:
+        watch(run_dir, total_steps=args.total_steps)
     else:
-        sys.stdout.write(status_text(run_dir))
+        show(run_dir, total_steps=args.total_steps)
     return ExitCode.OK
 
 

@@ -52,6 +52,16 @@ class FullRestartOrdered(Event):
 
 
 @dataclass(frozen=True)
+class ActionTaken(Event):
+    """One action of the controller's decision, and why it was taken."""
+
+    action: str                 # its type: "EvictNode", "PromoteStandby", ...
+    replica_id: int | None
+    node: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
 class RunFinished(Event):
     exit_code: int
     reason: str

@@ -7,12 +7,9 @@ import sys
 from dataclasses import dataclass
 
 from ftcore.config import BatchHostRole, JobConfig, StandbyMode
+from ftcore.env import ENV_NUM_REPLICAS, ENV_REPLICA_ID
 from ftcore.errors import UsageError
 from ftcore.slurm.commands import StepSpec, srun_argv
-
-#: Environment handed to each replica step (not config: runtime identity).
-ENV_REPLICA_ID = "FTLAUNCH_REPLICA_ID"
-ENV_NUM_REPLICAS = "FTLAUNCH_NUM_REPLICAS"
 
 #: Shortcut flags of ``plan``/``run``/``submit`` and the config keys they set.
 JOB_FLAGS = {"replicas": "job.replicas", "nodes_per_replica": "job.nodes_per_replica",

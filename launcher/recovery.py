@@ -1,4 +1,5 @@
-"""The recovery controller's decisions (pure): ``decide(state, event) -> (state, actions)``.
+"""The recovery table (pure): ``decide(state, event) -> (state, actions)``, the fault
+rules of the one controller decision (``lifecycle.decide``).
 
 The table (design.md, "Automated fault tolerance"), restricted to what the
 controller can observe:
@@ -16,52 +17,22 @@ controller can observe:
 (no step lost), and with no survivor each restores the newest persistent checkpoint and
 they form the quorum there: the full in-allocation restart, without cancelling anyone.
 
-The thin shell (``supervisor``) turns actions into srun / scancel / scontrol.
+Every action says why it was taken (``reason``). ``lifecycle.decide`` composes this
+table with the code-version one over the one ``RunState``; the thin shell
+(``supervisor``) turns actions into srun / scancel / scontrol.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from .run_state import Replica, ReplicaProgressed, ReplicaState, RunState, record_progress
 
-class ReplicaState(enum.Enum):
-    RUNNING = "running"
-    RECOVERING = "recovering"   # relaunched or promoted, not yet back in training
-    FINISHED = "finished"
-    FAILED = "failed"           # given up on (no nodes left)
-
-
-@dataclass(frozen=True)
-class Replica:
-    replica_id: int
-    nodes: tuple[str, ...]
-    state: ReplicaState = ReplicaState.RUNNING
-    failures: int = 0           # failures since it last made progress
-    progressed: bool = False    # has it ever committed a step
-
-
-@dataclass(frozen=True)
-class RunState:
-    replicas: tuple[Replica, ...]
-    standby: tuple[str, ...]            # warm standby nodes, in promotion order
-    evicted: tuple[str, ...] = ()
-    restarts: int = 0                   # full in-allocation restarts so far
-    nodes_per_replica: int = 1
-    last_standby: str | None = None     # the batch host: promoted only when no other is left
-
-    def with_standby(self, nodes: tuple[str, ...]) -> RunState:
-        """``nodes`` as the standby pool, ``last_standby`` (if among them) moved last."""
-        last = tuple(n for n in nodes if n == self.last_standby)
-        return replace(self, standby=tuple(n for n in nodes if n != self.last_standby) + last)
-
-    def replica(self, replica_id: int) -> Replica:
-        return self.replicas[replica_id]
-
-    def with_replica(self, updated: Replica) -> RunState:
-        replicas = list(self.replicas)
-        replicas[updated.replica_id] = updated
-        return replace(self, replicas=tuple(replicas))
+#: The lifecycle types are re-exported: the table's callers need nothing else.
+__all__ = ["Action", "CancelReplica", "Event", "EvictNode", "FullRestart", "GiveUp",
+           "NodeFaulted", "Policy", "PromoteStandby", "RelaunchReplica", "Replica",
+           "ReplicaCrashed", "ReplicaFinished", "ReplicaProgressed", "ReplicaState",
+           "RestartRequested", "RunState", "StandbyAdded", "decide"]
 
 
 # --------------------------------------------------------------------------- events
@@ -86,11 +57,6 @@ class NodeFaulted:
 
 
 @dataclass(frozen=True)
-class ReplicaProgressed:
-    replica_id: int
-
-
-@dataclass(frozen=True)
 class ReplicaFinished:
     replica_id: int
 
@@ -100,6 +66,7 @@ class RestartRequested:
     """Restart a healthy replica in place on purpose (a code update): not a failure."""
 
     replica_id: int
+    reason: str = "restart requested"
 
 
 @dataclass(frozen=True)
@@ -114,29 +81,36 @@ Event = (ReplicaCrashed | NodeFaulted | ReplicaProgressed | ReplicaFinished | Re
 
 
 # --------------------------------------------------------------------------- actions
+# Each carries why it was taken; where the reason is not part of what the action does
+# (everything but a drain's and a give-up's), it takes no part in comparisons.
 
 
 @dataclass(frozen=True)
 class EvictNode:
     node: str
-    reason: str
+    reason: str                 # the drain reason (sanitised by health.drain)
 
 
 @dataclass(frozen=True)
 class CancelReplica:
     replica_id: int
+    reason: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
 class PromoteStandby:
     replica_id: int
     node: str
+    reason: str = field(default="", compare=False)
+    command: tuple[str, ...] = field(default=(), compare=False)  # set by lifecycle.decide
 
 
 @dataclass(frozen=True)
 class RelaunchReplica:
     replica_id: int
     nodes: tuple[str, ...]
+    reason: str = field(default="", compare=False)
+    command: tuple[str, ...] = field(default=(), compare=False)  # set by lifecycle.decide
 
 
 @dataclass(frozen=True)
@@ -144,6 +118,9 @@ class FullRestart:
     """Relaunch every replica; they restore from the newest persistent checkpoint."""
 
     placements: tuple[tuple[int, tuple[str, ...]], ...]
+    reason: str = field(default="", compare=False)
+    #: each placement's command, in order (set by lifecycle.decide)
+    commands: tuple[tuple[str, ...], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -167,11 +144,7 @@ def decide(state: RunState, event: Event, policy: Policy | None = None
            ) -> tuple[RunState, list[Action]]:
     policy = policy or Policy()
     if isinstance(event, ReplicaProgressed):
-        replica = state.replica(event.replica_id)
-        if replica.state is ReplicaState.RECOVERING or replica.failures or not replica.progressed:
-            state = state.with_replica(replace(replica, state=ReplicaState.RUNNING, failures=0,
-                                               progressed=True))
-        return state, []
+        return record_progress(state, event.replica_id), []
     if isinstance(event, ReplicaFinished):
         replica = state.replica(event.replica_id)
         return state.with_replica(replace(replica, state=ReplicaState.FINISHED)), []
@@ -183,11 +156,11 @@ def decide(state: RunState, event: Event, policy: Policy | None = None
         return state.with_standby(state.standby + (event.node,)), []
     if isinstance(event, RestartRequested):
         replica = state.replica(event.replica_id)
-        if replica.state in (ReplicaState.FINISHED, ReplicaState.FAILED):
+        if replica.retired:
             return state, []
         state = state.with_replica(replace(replica, state=ReplicaState.RECOVERING))
-        return state, [CancelReplica(replica.replica_id),
-                       RelaunchReplica(replica.replica_id, replica.nodes)]
+        return state, [CancelReplica(replica.replica_id, event.reason),
+                       RelaunchReplica(replica.replica_id, replica.nodes, event.reason)]
     return _crashed(state, event, policy)
 
 
@@ -197,39 +170,38 @@ def _node_faulted(state: RunState, event: NodeFaulted) -> tuple[RunState, list[A
         actions.append(EvictNode(event.node, event.reason))
         state = replace(state, evicted=state.evicted + (event.node,),
                         standby=tuple(n for n in state.standby if n != event.node))
-    owner = event.replica_id
-    if owner is None:
-        owner = next((r.replica_id for r in state.replicas if event.node in r.nodes), None)
+    owner = event.replica_id if event.replica_id is not None else state.owner_of(event.node)
     if owner is None or state.replica(owner).state is ReplicaState.FINISHED:
         return state, actions  # a standby or an idle node: evicting it is all
     replica = state.replica(owner)
-    actions.append(CancelReplica(owner))
+    why = f"node {event.node} of replica {owner} at fault: {event.reason}"
+    actions.append(CancelReplica(owner, why))
     lost = _lost_replicas(state, owner)
     if lost * 2 > len(state.replicas):
-        return _full_restart(state, actions)
-    return _replace_node(state, replica, event.node, actions)
+        return _full_restart(state, actions, f"{why}; {lost} of {len(state.replicas)} "
+                                             "replicas lost, a majority")
+    return _replace_node(state, replica, event.node, actions, why)
 
 
-def _replace_node(state: RunState, replica: Replica, bad: str, actions: list[Action]
-                  ) -> tuple[RunState, list[Action]]:
+def _replace_node(state: RunState, replica: Replica, bad: str, actions: list[Action],
+                  why: str) -> tuple[RunState, list[Action]]:
     healthy = tuple(n for n in replica.nodes if n != bad)
-    if len(replica.nodes) == 1 and state.standby:
+    if state.standby:
         node, rest = state.standby[0], state.standby[1:]
         state = replace(state, standby=rest)
-        updated = replace(replica, nodes=(node,), state=ReplicaState.RECOVERING,
-                          failures=replica.failures + 1)
-        return state.with_replica(updated), actions + [PromoteStandby(replica.replica_id, node)]
-    if len(state.standby) >= 1:
-        node, rest = state.standby[0], state.standby[1:]
-        nodes = tuple(node if n == bad else n for n in replica.nodes)
-        state = replace(state, standby=rest)
+        # A one-node replica becomes the warm standby's agent; a bigger one is relaunched
+        # with the standby in place of the bad node.
+        nodes = (node,) if len(replica.nodes) == 1 else tuple(
+            node if n == bad else n for n in replica.nodes)
         updated = replace(replica, nodes=nodes, state=ReplicaState.RECOVERING,
                           failures=replica.failures + 1)
-        return state.with_replica(updated), actions + [RelaunchReplica(replica.replica_id,
-                                                                       nodes)]
+        why = f"{why}; standby {node} takes its place"
+        action: Action = PromoteStandby(replica.replica_id, node, why) \
+            if len(replica.nodes) == 1 else RelaunchReplica(replica.replica_id, nodes, why)
+        return state.with_replica(updated), actions + [action]
     # No standby left: the replica is lost; the others train on (FT-HSDP's point).
     state = state.with_replica(replace(replica, nodes=healthy, state=ReplicaState.FAILED))
-    if all(r.state in (ReplicaState.FAILED, ReplicaState.FINISHED) for r in state.replicas):
+    if all(r.retired for r in state.replicas):
         actions.append(GiveUp("every replica has lost a node and no standby is left"))
     return state, actions
 
@@ -237,11 +209,14 @@ def _replace_node(state: RunState, replica: Replica, bad: str, actions: list[Act
 def _crashed(state: RunState, event: ReplicaCrashed, policy: Policy
              ) -> tuple[RunState, list[Action]]:
     replica = state.replica(event.replica_id)
-    if replica.state in (ReplicaState.FINISHED, ReplicaState.FAILED):
+    if replica.retired:
         return state, []
     if replica.failures < policy.retries_in_place:
         updated = replace(replica, state=ReplicaState.RECOVERING, failures=replica.failures + 1)
-        return state.with_replica(updated), [RelaunchReplica(replica.replica_id, replica.nodes)]
+        why = (f"replica {replica.replica_id} exited with {event.exit_code}, no node at "
+               f"fault: retry {replica.failures + 1} of {policy.retries_in_place} in place")
+        return state.with_replica(updated), [RelaunchReplica(replica.replica_id, replica.nodes,
+                                                             why)]
     if not replica.progressed:
         # Crashing again before its first step: the command or its input is broken far
         # more often than a node. Draining nodes would not help; neither would a requeue.
@@ -263,7 +238,8 @@ def _lost_replicas(state: RunState, newly_lost: int) -> int:
                if r.replica_id == newly_lost or r.state is ReplicaState.FAILED)
 
 
-def _full_restart(state: RunState, actions: list[Action]) -> tuple[RunState, list[Action]]:
+def _full_restart(state: RunState, actions: list[Action], why: str
+                  ) -> tuple[RunState, list[Action]]:
     usable = [n for r in state.replicas for n in r.nodes if n not in state.evicted]
     usable += list(state.standby)         # the batch host, if still a standby, comes last
     size = state.nodes_per_replica
@@ -277,12 +253,14 @@ def _full_restart(state: RunState, actions: list[Action]) -> tuple[RunState, lis
         if r.replica_id < count:
             nodes = tuple(usable[r.replica_id * size:(r.replica_id + 1) * size])
             placements.append((r.replica_id, nodes))
-            replicas.append(Replica(r.replica_id, nodes, ReplicaState.RECOVERING))
+            replicas.append(replace(r, nodes=nodes, state=ReplicaState.RECOVERING, failures=0,
+                                    progressed=False))
         else:
             replicas.append(replace(r, state=ReplicaState.FAILED, nodes=()))
     standby = tuple(usable[count * size:])
     new_state = replace(state, replicas=tuple(replicas), standby=standby,
                         restarts=state.restarts + 1)
-    cancels = [CancelReplica(r.replica_id) for r in state.replicas
+    why = f"{why}: every replica restarts from the newest checkpoint"
+    cancels = [CancelReplica(r.replica_id, why) for r in state.replicas
                if CancelReplica(r.replica_id) not in actions]
-    return new_state, actions + cancels + [FullRestart(tuple(placements))]
+    return new_state, actions + cancels + [FullRestart(tuple(placements), why)]

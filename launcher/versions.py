@@ -1,4 +1,6 @@
-"""Hot update and rollback of the training code: ``decide_version(state, event, now)``.
+"""Hot update and rollback of the training code: ``decide_version(state, event, now)``,
+the code-version rules of the one controller decision (``lifecycle.decide``), over the
+one ``RunState`` (each replica's version lives in its lifecycle record).
 
 The code a replica runs is a recorded ``CodeVersion`` (1 = the command the run
 started with). ``ft-launch update`` drops a request file in
@@ -20,7 +22,7 @@ started with). ``ft-launch update`` drops a request file in
 | ReplicaFailed     | ``rollback_after``-th failure on a   | version marked bad, ``current`` :=   |
 |                   | version > 1, no step in between      | the newest good older one;           |
 |                   |                                      | ``RollBack`` + ``CodeRolledBack``    |
-| ReplicaRetired    | finished, or given up on             | no longer waited for                 |
+| ReplicaRetired    | given up on (FINISHED, FAILED: final)| no longer waited for                 |
 | Tick, and after   | a deadline passed or a replica runs  | ``RestartReplicaForUpdate`` of the   |
 | every event       | a bad version; no update restart in  | lowest such replica: one at a time,  |
 |                   | flight; every live replica RUNNING   | so an update never costs the job     |
@@ -38,7 +40,6 @@ run with ``python -m`` and files they import are not covered.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import math
@@ -46,8 +47,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,21 +56,22 @@ from ftcore.errors import ConfigError, UsageError
 from ftcore.events import Event
 from ftcore.files import atomic_write_bytes, fsync_directory
 
+from .run_state import (
+    RETIRED,
+    CodeVersion,
+    Replica,
+    ReplicaProgressed,
+    ReplicaState,
+    RunState,
+    record_progress,
+)
+
 DEFAULT_UPDATE_WINDOW = 24 * 3600.0     # design.md: a non-urgent update is forced after 24 h
 _REQUEST_NAME = re.compile(r"^(\d+)\.json$")
 _REQUEST_FIELDS = ("command", "urgent", "window_s", "note", "digest", "created")
 
 
-# --------------------------------------------------------------------------- versions
-
-
-@dataclass(frozen=True)
-class CodeVersion:
-    number: int                 # 1 = the command the run started with
-    command: tuple[str, ...]
-    digest: str                 # digest_command() of it when it was recorded
-    note: str
-    created: float
+# --------------------------------------------------------------------------- digests
 
 
 def digest_command(command: Sequence[str], cwd: Path) -> str:
@@ -243,59 +245,6 @@ class CodeRolledBack(Event):
     reason: str
 
 
-# --------------------------------------------------------------------------- state
-
-
-class ReplicaStatus(enum.Enum):
-    NOT_LAUNCHED = "not launched"
-    STARTING = "starting"       # launched, no step committed since
-    RUNNING = "running"         # committing steps
-    DOWN = "down"               # failed; recovery relaunches it
-    RETIRED = "retired"         # finished or given up on: not waited for
-
-
-@dataclass(frozen=True)
-class ReplicaVersion:
-    replica_id: int
-    version: int = 0            # version of its last launch (0: never launched)
-    status: ReplicaStatus = ReplicaStatus.NOT_LAUNCHED
-    failures: int = 0           # failures on ``version`` since it last committed a step
-
-
-@dataclass(frozen=True)
-class VersionState:
-    versions: tuple[CodeVersion, ...]       # versions[n - 1] is version n
-    current: int                            # the version new launches run
-    replicas: tuple[ReplicaVersion, ...]
-    #: (version, at): after ``at``, replicas on an older version are restarted onto current
-    deadlines: tuple[tuple[int, float], ...] = ()
-    bad: tuple[int, ...] = ()               # rolled back; never run again
-    restarting: int | None = None           # replica restarted for an update, not yet back
-
-    @classmethod
-    def initial(cls, command: Sequence[str], digest: str, replica_ids: Iterable[int],
-                now: float, note: str = "initial command") -> VersionState:
-        first = CodeVersion(1, tuple(command), digest, note, now)
-        return cls(versions=(first,), current=1,
-                   replicas=tuple(ReplicaVersion(r) for r in replica_ids))
-
-    def version(self, number: int) -> CodeVersion:
-        if not 1 <= number <= len(self.versions):
-            raise ValueError(f"no code version {number}: versions are 1 to {len(self.versions)}")
-        return self.versions[number - 1]
-
-    def replica(self, replica_id: int) -> ReplicaVersion:
-        return next(r for r in self.replicas if r.replica_id == replica_id)
-
-    def with_replica(self, updated: ReplicaVersion) -> VersionState:
-        return replace(self, replicas=tuple(updated if r.replica_id == updated.replica_id
-                                            else r for r in self.replicas))
-
-    def required(self, now: float) -> int:
-        """Replicas on an older version than this are due for a restart."""
-        return max((v for v, at in self.deadlines if at <= now), default=0)
-
-
 # --------------------------------------------------------------------------- events, actions
 
 
@@ -315,20 +264,17 @@ class ReplicaLaunching:
 
 
 @dataclass(frozen=True)
-class _ReplicaFact:
+class ReplicaFailed:
+    """The replica crashed or lost a node (not: stopped by ``RestartReplicaForUpdate``)."""
+
     replica_id: int
 
 
-class ReplicaProgressed(_ReplicaFact):
-    """The replica committed a step since the last poll."""
+@dataclass(frozen=True)
+class ReplicaRetired:
+    """Recovery gave up on the replica: the rollout stops waiting for it."""
 
-
-class ReplicaFailed(_ReplicaFact):
-    """The replica crashed or lost a node (not: stopped by ``RestartReplicaForUpdate``)."""
-
-
-class ReplicaRetired(_ReplicaFact):
-    """The replica finished, or recovery gave up on it: the rollout stops waiting for it."""
+    replica_id: int
 
 
 @dataclass(frozen=True)
@@ -354,6 +300,7 @@ class RestartReplicaForUpdate:
 
     replica_id: int
     version: CodeVersion
+    reason: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -378,34 +325,28 @@ class VersionPolicy:
 # --------------------------------------------------------------------------- decide
 
 
-def decide_version(state: VersionState, event: VersionEvent, now: float,
+def decide_version(state: RunState, event: VersionEvent, now: float,
                    policy: VersionPolicy | None = None
-                   ) -> tuple[VersionState, list[VersionAction]]:
+                   ) -> tuple[RunState, list[VersionAction]]:
     policy = policy or VersionPolicy()
     actions: list[VersionAction] = []
     if isinstance(event, UpdateRequested):
         state = _requested(state, event.request, now, policy, actions)
     elif isinstance(event, ReplicaLaunching):
-        state = _launching(state, event, now, actions)
+        state = launching(state, event.replica_id, now, actions, event.version)
     elif isinstance(event, ReplicaProgressed):
-        replica = state.replica(event.replica_id)
-        status = ReplicaStatus.RUNNING if replica.status is ReplicaStatus.STARTING \
-            else replica.status     # a late commit does not bring a failed replica back
-        state = state.with_replica(replace(replica, status=status, failures=0))
-        if state.restarting == event.replica_id:
-            state = replace(state, restarting=None)
+        state = record_progress(state, event.replica_id)
     elif isinstance(event, ReplicaFailed):
         state = _failed(state, event.replica_id, now, policy, actions)
     elif isinstance(event, ReplicaRetired):
-        state = state.with_replica(replace(state.replica(event.replica_id),
-                                           status=ReplicaStatus.RETIRED))
-        if state.restarting == event.replica_id:
-            state = replace(state, restarting=None)
-    return _roll(state, now, actions)
+        replica = state.replica(event.replica_id)
+        if not replica.retired:
+            state = state.with_replica(replace(replica, state=ReplicaState.FAILED))
+    return roll(state, now, actions)
 
 
-def _requested(state: VersionState, request: UpdateRequest, now: float, policy: VersionPolicy,
-               actions: list[VersionAction]) -> VersionState:
+def _requested(state: RunState, request: UpdateRequest, now: float, policy: VersionPolicy,
+               actions: list[VersionAction]) -> RunState:
     window = 0.0 if request.urgent else (policy.update_window if request.window_s is None
                                          else request.window_s)
     same = [v.number for v in state.versions
@@ -428,32 +369,41 @@ def _requested(state: VersionState, request: UpdateRequest, now: float, policy: 
     return replace(state, deadlines=state.deadlines + ((number, now + window),))
 
 
-def _launching(state: VersionState, event: ReplicaLaunching, now: float,
-               actions: list[VersionAction]) -> VersionState:
-    number = state.current if event.version is None else event.version
-    replica = state.replica(event.replica_id)
-    version = state.version(number)
-    if number != replica.version:
-        actions.append(CodeVersionApplied(replica_id=replica.replica_id, version=number,
-                                          command=list(version.command),
-                                          digest=version.digest, time=now))
-        replica = replace(replica, version=number, failures=0)
-    actions.append(RunVersion(replica.replica_id, version))
-    return state.with_replica(replace(replica, status=ReplicaStatus.STARTING))
-
-
-def _failed(state: VersionState, replica_id: int, now: float, policy: VersionPolicy,
-            actions: list[VersionAction]) -> VersionState:
+def launching(state: RunState, replica_id: int, now: float, actions: list[VersionAction],
+              version: int | None = None) -> RunState:
+    """A launch of ``replica_id`` (first, retry, relaunch, promotion, update restart): it
+    runs ``current`` (or ``version``, what a warm standby was started with), recorded
+    with ``CodeVersionApplied`` when that changes. A first launch is STARTING, any other
+    RECOVERING."""
+    number = state.current if version is None else version
     replica = state.replica(replica_id)
-    replica = replace(replica, status=ReplicaStatus.DOWN, failures=replica.failures + 1)
+    code = state.version(number)
+    if number != replica.version:
+        actions.append(CodeVersionApplied(replica_id=replica_id, version=number,
+                                          command=list(code.command), digest=code.digest,
+                                          time=now))
+        replica = replace(replica, version=number, failures_on_version=0)
+    actions.append(RunVersion(replica_id, code))
+    lifecycle = ReplicaState.STARTING if replica.state is ReplicaState.NOT_LAUNCHED \
+        else ReplicaState.RECOVERING
+    return state.with_replica(replace(replica, state=lifecycle))
+
+
+def _failed(state: RunState, replica_id: int, now: float, policy: VersionPolicy,
+            actions: list[VersionAction]) -> RunState:
+    replica = state.replica(replica_id)
+    if replica.retired:
+        return state    # a late report of a replica nobody waits for
+    replica = replace(replica, state=ReplicaState.DOWN,
+                      failures_on_version=replica.failures_on_version + 1)
     state = state.with_replica(replica)
     bad = replica.version
     older = [v.number for v in state.versions if v.number < bad and v.number not in state.bad]
-    if replica.failures < policy.rollback_after or bad in state.bad or not older:
+    if replica.failures_on_version < policy.rollback_after or bad in state.bad or not older:
         return state
     target = older[-1] if state.current == bad else state.current
-    reason = (f"replica {replica_id} failed {replica.failures} times on code version {bad} "
-              f"without committing a step")
+    reason = (f"replica {replica_id} failed {replica.failures_on_version} times on code "
+              f"version {bad} without committing a step")
     actions += [RollBack(bad, target, reason),
                 CodeRolledBack(from_version=bad, to_version=target, replica_id=replica_id,
                                reason=reason, time=now)]
@@ -464,15 +414,29 @@ def _failed(state: VersionState, replica_id: int, now: float, policy: VersionPol
                    restarting=replica_id if state.restarting is None else state.restarting)
 
 
-def _roll(state: VersionState, now: float, actions: list[VersionAction]
-          ) -> tuple[VersionState, list[VersionAction]]:
-    """Restart at most one replica that must change version, when nothing else is down."""
-    live = [r for r in state.replicas if r.status is not ReplicaStatus.RETIRED]
-    if state.restarting is not None or any(r.status is not ReplicaStatus.RUNNING for r in live):
+def roll(state: RunState, now: float, actions: list[VersionAction]
+         ) -> tuple[RunState, list[VersionAction]]:
+    """Restart at most one replica that must change version, when nothing else is down.
+    A replica restarted for an update that retired meanwhile is not waited for."""
+    if state.restarting is not None and state.replica(state.restarting).state in RETIRED:
+        state = replace(state, restarting=None)
+    live = [r for r in state.replicas if not r.retired]
+    if state.restarting is not None or any(r.state is not ReplicaState.RUNNING for r in live):
         return state, actions
     required = state.required(now)
     due = [r for r in live if r.version in state.bad or r.version < required]
     if not due:
         return state, actions
-    actions.append(RestartReplicaForUpdate(due[0].replica_id, state.version(state.current)))
-    return replace(state, restarting=due[0].replica_id), actions
+    target = due[0]
+    actions.append(RestartReplicaForUpdate(target.replica_id, state.version(state.current),
+                                           _restart_reason(state, target, now)))
+    return replace(state, restarting=target.replica_id), actions
+
+
+def _restart_reason(state: RunState, replica: Replica, now: float) -> str:
+    if replica.version in state.bad:
+        return (f"replica {replica.replica_id} runs code version {replica.version}, rolled "
+                f"back: restarted onto version {state.current}")
+    return (f"replica {replica.replica_id} runs code version {replica.version}, older than "
+            f"version {state.required(now)} whose window has run out: restarted onto "
+            f"version {state.current}")

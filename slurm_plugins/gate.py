@@ -26,7 +26,7 @@ from ftcore.files import atomic_write_text
 from ftcore.logs import configure_logging
 from health.drain import drain_node
 from health.profile import ProfileReport, run_profile
-from health.settings import CONFIG_ENV, load_settings
+from health.settings import ENV_CONFIG, load_settings
 
 from .hook import HookEnv, slurm_client
 
@@ -39,7 +39,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m slurm_plugins.gate",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="gate")
-    parser.add_argument("--config", help=f"admin health config (default: ${CONFIG_ENV})")
+    parser.add_argument("--config", help=f"admin health config (default: ${ENV_CONFIG})")
     parser.add_argument("--report", help="write the JSON report here")
     parser.add_argument("--drain", action="store_true", help="drain the node on failure")
     parser.add_argument("command", nargs=argparse.REMAINDER,

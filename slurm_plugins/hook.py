@@ -15,6 +15,11 @@ node of the cluster and, for the Prolog, requeue and hold every job; a node we
 cannot name we cannot drain or report on either. A bad job variable
 (``SLURM_JOB_UID=²``) is dropped with one warning line and the node is checked
 all the same: its health does not depend on who ran the job.
+
+Run as root, a hook reads its config only from a file root owns and no one else
+may write (``--config``, ``$FTL_CONFIG`` or ``/etc/ft-launch/health.toml``) and
+takes no ``FTL_<SECTION>_<KEY>`` values (``health.settings``): no path or value
+a user chose reaches a root process. It logs the variables it ignored.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftcore.config import ENV_CONFIG, ENV_PREFIX
 from ftcore.errors import ConfigError, ExitCode, SlurmCommandError
 from ftcore.files import atomic_write_text
 from ftcore.logs import configure_logging
@@ -35,8 +41,8 @@ from ftcore.slurm.client import SlurmCli
 from health.context import JobFacts
 from health.drain import drain_node
 from health.profile import ProfileReport, run_profile
-from health.settings import CONFIG_ENV, HealthSettings, load_settings
 from health.settings import DEFAULT_PATH as DEFAULT_CONFIG
+from health.settings import HealthSettings, load_settings
 from health.slurm_env import read_slurm_env
 
 log = logging.getLogger(__name__)
@@ -91,7 +97,7 @@ def parse_args(hook: str, argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"ft-{hook}", description=f"Slurm {hook} hook of ft-launch: run the node's health "
         f"profile, drain the node with a precise reason when a check fails.")
-    parser.add_argument("--config", help=f"admin config (default: ${CONFIG_ENV} or "
+    parser.add_argument("--config", help=f"admin config (default: ${ENV_CONFIG} or "
                                           f"{DEFAULT_CONFIG})")
     return parser.parse_args(argv)
 
@@ -99,7 +105,12 @@ def parse_args(hook: str, argv: Sequence[str] | None) -> argparse.Namespace:
 def setup(hook: str, argv: Sequence[str] | None, env: Mapping[str, str]) -> HealthSettings:
     """Logging to stderr at once, then the admin config (and its log file)."""
     configure_logging("INFO")
-    settings = load_settings(parse_args(hook, argv).config, env=env)
+    as_root = os.geteuid() == 0
+    settings = load_settings(parse_args(hook, argv).config, env=env, trusted_only=as_root)
+    ignored = sorted(k for k in env if k.startswith(ENV_PREFIX) and k != ENV_CONFIG)
+    if as_root and ignored:
+        log.warning("ft-%s runs as root: ignoring %s (set them in the config file)", hook,
+                    ", ".join(ignored))
     if settings.node.log_file:
         configure_logging("INFO", settings.node.log_file)
     return settings

@@ -79,14 +79,6 @@ def list_steps_argv(job_id: str) -> list[str]:
     return ["squeue", "--steps", "--noheader", f"--jobs={job_id}", f"--format={STEP_FORMAT}"]
 
 
-def squeue_json_argv(job_id: str | None = None) -> list[str]:
-    return ["squeue", "--json", *([f"--jobs={job_id}"] if job_id else [])]
-
-
-def sinfo_json_argv() -> list[str]:
-    return ["sinfo", "--json"]
-
-
 def create_reservation_argv(name: str, nodes: tuple[str, ...], duration_minutes: int,
                             users: tuple[str, ...], flags: tuple[str, ...] = ()) -> list[str]:
     argv = ["scontrol", "create", "reservation", f"reservationname={name}",
@@ -126,13 +118,6 @@ def allocate_argv(nodes: int, *, name: str, reservation: str | None = None,
     if immediate_s is not None:
         argv.append(f"--immediate={immediate_s}")
     return [*argv, *extra]
-
-
-def expand_job_argv(main_job_id: str, node: str, reservation: str | None = None) -> list[str]:
-    """Allocate ``node`` as an expansion of ``main_job_id`` (needs permit_job_expansion;
-    a node held in a reservation needs the reservation named)."""
-    return allocate_argv(1, name=f"ftl-grow-{main_job_id}", reservation=reservation,
-                         nodelist=(node,), expand=main_job_id, immediate_s=30)
 
 
 def shrink_job_argv(job_id: str, keep: tuple[str, ...]) -> list[str]:

@@ -207,9 +207,6 @@ class QuorumAgent:
         blocked = frozenset(peers)
         self._loop.call(lambda: setattr(self._node, "blocked", blocked))
 
-    def restore_traffic(self) -> None:
-        self.drop_traffic(())
-
     # ------------------------------------------------------------------ loop thread
     def _begin(self, future: Future[Quorum], next_step: int, address: str,
                health: Health) -> None:

@@ -6,33 +6,35 @@ A message travels as two ZeroMQ frames, ``[data, mac]``:
   incarnation, nonce, wall-clock send time, term, sender address) followed by
   the message's binary body (``payload``);
 * ``mac`` = HMAC-SHA256 with the per-job secret over a domain tag, the job id
-  and ``data`` (``ftcore.ids.sign``), so a message is bound to this job and to
-  every header field.
+  and ``data`` (``ftcore.envelope.Seal``), so a message is bound to this job and
+  to every header field.
 
 Receivers drop what fails the MAC, what is addressed to someone else, what is
 older than ``max_age`` (``QuorumConfig.max_message_age``: a replay to a
 receiver that never saw the original), and anything not newer than the highest
 ``(incarnation, nonce)`` already seen from that sender (a replay, or a zombie of
-a replaced replica).
+a replaced replica): ``ftcore.envelope.ReplayGuard``, shared with the health
+channel. What is quorum-specific is the header and the payload.
 """
 
 from __future__ import annotations
 
-import enum
-import hashlib
-import hmac
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ftcore.envelope import BROADCAST, Rejected, Rejection, ReplayGuard, Seal
+from ftcore.envelope import Envelope as SignedEnvelope
+
 from .model import Message
 from .payload import Kind, decode_payload, encode_payload
 
+__all__ = ["BROADCAST", "DOMAIN", "MAX_ADDRESS_BYTES", "Codec", "Envelope", "Rejected",
+           "Rejection", "ReplayGuard", "max_message_bytes"]
+
 VERSION = 2
-BROADCAST = -1
 DOMAIN = b"ftl-quorum/1"
 _HEADER = struct.Struct("!BBiiQQdQH")
-_MAC_BYTES = 32
 #: ``Kind(code)`` without the enum call (a leader decodes 1,000 joins a round).
 _KINDS = {kind.value: kind for kind in Kind}
 #: Verified broadcasts kept for the other agents of the same loop: one verify
@@ -61,30 +63,20 @@ def max_message_bytes(replicas: int) -> int:
     return _FIXED_BYTES + max(replicas, 1) * _PER_MEMBER_BYTES
 
 
-class Rejection(enum.Enum):
-    MALFORMED = "malformed"
-    BAD_SIGNATURE = "bad_signature"
-    NOT_FOR_ME = "not_for_me"
-    EXPIRED = "expired"
-    REPLAYED = "replayed"
-    UNKNOWN_SENDER = "unknown_sender"
-
-
-class Rejected(Exception):
-    def __init__(self, reason: Rejection, detail: str = "") -> None:
-        self.reason = reason
-        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
-
-
 @dataclass(frozen=True)
-class Envelope:
-    sender: int
-    to: int
-    incarnation: int
-    nonce: int
-    sent_at: float
-    address: str
-    message: Message
+class Envelope(SignedEnvelope[int, Message]):
+    """A quorum message: the shared envelope (``seq`` is the sender's nonce, ``body``
+    its ``Message``) and the address the sender listens on."""
+
+    address: str = ""
+
+    @property
+    def message(self) -> Message:
+        return self.body
+
+    @property
+    def nonce(self) -> int:
+        return self.seq
 
 
 class Codec:
@@ -92,18 +84,7 @@ class Codec:
     verified broadcasts, so agents hosted by one loop may share it."""
 
     def __init__(self, secret: str, job_id: str = "") -> None:
-        try:
-            if len(bytes.fromhex(secret)) < 16:
-                raise ValueError
-        except ValueError:
-            raise ValueError("the quorum secret must be at least 16 bytes, hex encoded "
-                             "(ftcore.ids.new_job_secret())") from None
-        # ``ftcore.ids.sign(secret, DOMAIN, job, data)``, with the key schedule
-        # and the constant parts hashed once: a leader checks 1,000 joins a round.
-        self._prefix = hmac.new(bytes.fromhex(secret), digestmod=hashlib.sha256)
-        for part in (DOMAIN, job_id.encode()):
-            self._prefix.update(len(part).to_bytes(8, "big"))
-            self._prefix.update(part)
+        self._seal = Seal(secret, DOMAIN, job_id.encode())
         self._verified: OrderedDict[bytes, tuple[bytes, Envelope]] = OrderedDict()
 
     def seal(self, sender: int, to: int, incarnation: int, nonce: int, sent_at: float,
@@ -112,25 +93,22 @@ class Codec:
         addr = address.encode()
         header = _HEADER.pack(VERSION, kind, sender, to, incarnation, nonce, sent_at,
                               message.term, len(addr))
-        data = header + addr + payload
-        return [data, self._sign(data)]
+        return self._seal.seal(header + addr + payload)
 
     def _sign(self, data: bytes) -> bytes:
-        mac = self._prefix.copy()
-        mac.update(len(data).to_bytes(8, "big"))
-        mac.update(data)
-        return mac.digest()
+        return self._seal.sign(data)
 
     def open(self, frames: list[bytes]) -> Envelope:
         """Verify and decode; raises ``Rejected`` (malformed or bad signature)."""
-        if len(frames) != 2 or len(frames[1]) != _MAC_BYTES or len(frames[0]) < _HEADER.size:
-            raise Rejected(Rejection.MALFORMED, f"{len(frames)} frames")
-        data, mac = frames
+        (data,) = self._seal.check_shape(frames)
+        if len(data) < _HEADER.size:
+            raise Rejected(Rejection.MALFORMED, f"a message of {len(data)} bytes, shorter "
+                           f"than the {_HEADER.size}-byte header")
+        mac = frames[1]
         cached = self._verified.get(mac)
         if cached is not None and cached[0] == data:
             return cached[1]
-        if not hmac.compare_digest(self._sign(data), mac):
-            raise Rejected(Rejection.BAD_SIGNATURE)
+        self._seal.verify((data,), mac)
         envelope = _decode(data)
         if envelope.to == BROADCAST:
             self._verified[mac] = (data, envelope)
@@ -141,33 +119,17 @@ class Codec:
 
 def _decode(data: bytes) -> Envelope:
     try:
-        (version, kind, sender, to, incarnation, nonce, sent_at, term,
+        (version, code, sender, to, incarnation, nonce, sent_at, term,
          addr_len) = _HEADER.unpack_from(data)
-        if version != VERSION:
-            raise Rejected(Rejection.MALFORMED, f"version {version}")
-        start = _HEADER.size
+    except struct.error as exc:
+        raise Rejected(Rejection.MALFORMED, f"undecodable header: {exc}") from None
+    if version != VERSION:
+        raise Rejected(Rejection.MALFORMED, f"version {version}, expected {VERSION}")
+    start = _HEADER.size
+    try:
         address = data[start:start + addr_len].decode()
-        message = decode_payload(_KINDS[kind], term, data[start + addr_len:])
+        kind = _KINDS[code]
+        message = decode_payload(kind, term, data[start + addr_len:])
     except (ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
-        raise Rejected(Rejection.MALFORMED, str(exc)) from None
-    return Envelope(sender, to, incarnation, nonce, sent_at, address, message)
-
-
-class ReplayGuard:
-    """Per-receiver check of freshness and ordering of authenticated envelopes."""
-
-    def __init__(self, me: int, max_age: float) -> None:
-        self.me = me
-        self.max_age = max_age
-        self._highest: dict[int, tuple[int, int]] = {}
-
-    def check(self, envelope: Envelope, wall_now: float) -> None:
-        """Raise ``Rejected`` unless the envelope is for us, fresh and new."""
-        if envelope.to not in (BROADCAST, self.me):
-            raise Rejected(Rejection.NOT_FOR_ME, f"to {envelope.to}")
-        if abs(wall_now - envelope.sent_at) > self.max_age:
-            raise Rejected(Rejection.EXPIRED, f"sent {wall_now - envelope.sent_at:.1f}s ago")
-        key = (envelope.incarnation, envelope.nonce)
-        if key <= self._highest.get(envelope.sender, (-1, -1)):
-            raise Rejected(Rejection.REPLAYED, f"from {envelope.sender} at {key}")
-        self._highest[envelope.sender] = key
+        raise Rejected(Rejection.MALFORMED, f"undecodable: {exc}") from None
+    return Envelope(kind, sender, nonce, sent_at, message, to, incarnation, address)

@@ -1,6 +1,6 @@
 """Scripted fault injection for tests and the fault run (never set in production).
 
-``FTLAUNCH_INJECT="kill@mid_allreduce:7,stop@after_commit:12"`` makes this worker
+``FTL_WORKER_INJECT="kill@mid_allreduce:7,stop@after_commit:12"`` makes this worker
 SIGKILL itself in the middle of step 7's gradient all-reduce (after the
 reduce-scatter, before the all-gather) and SIGSTOP itself after committing step
 12. ``kill@mid_allreduce:7/1`` fires on rank 1 of the replica only (default: every
@@ -15,10 +15,10 @@ import os
 import signal
 from dataclasses import dataclass
 
+from ftcore.env import ENV_INJECT
 from ftcore.errors import UsageError
 
 log = logging.getLogger(__name__)
-ENV_INJECT = "FTLAUNCH_INJECT"
 
 
 class FaultPoint(enum.Enum):
@@ -65,7 +65,7 @@ class FaultInjector:
 
     @staticmethod
     def from_env(rank: int = 0) -> FaultInjector:
-        """The faults of ``FTLAUNCH_INJECT`` that fire on ``rank``."""
+        """The faults of ``FTL_WORKER_INJECT`` that fire on ``rank``."""
         return FaultInjector(tuple(f for f in parse_faults(os.environ.get(ENV_INJECT, ""))
                                    if f.rank is None or f.rank == rank))
 

@@ -9,21 +9,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftcore.env import (
+    ENV_CONFIG,
+    ENV_HEARTBEAT,
+    ENV_HOST,
+    ENV_INCARNATION,
+    ENV_JOB_ID,
+    ENV_NUM_REPLICAS,
+    ENV_RANK,
+    ENV_RANKS,
+    ENV_REPLICA_ID,
+    ENV_RUN_DIR,
+    ENV_SECRET,
+)
 from ftcore.errors import UsageError
 from ftcore.slurm.hostlist import expand
 
-#: Variables ft-launch sets for every worker (runtime identity, not configuration).
-ENV_JOB_ID = "FTLAUNCH_JOB_ID"
-ENV_REPLICA_ID = "FTLAUNCH_REPLICA_ID"
-ENV_NUM_REPLICAS = "FTLAUNCH_NUM_REPLICAS"
-ENV_RUN_DIR = "FTLAUNCH_RUN_DIR"
-ENV_SECRET = "FTLAUNCH_JOB_SECRET"
-ENV_HOST = "FTLAUNCH_HOST"
-ENV_RANK = "FTLAUNCH_RANK"
-ENV_RANKS = "FTLAUNCH_RANKS"
-ENV_CONFIG = "FTLAUNCH_CONFIG"
-ENV_INCARNATION = "FTLAUNCH_INCARNATION"   # tells apart relaunches of a replica
-ENV_HEARTBEAT = "FTLAUNCH_CONTROLLER_HEARTBEAT"   # the controller's heartbeat file
+__all__ = ["ENV_CONFIG", "ENV_HEARTBEAT", "ENV_HOST", "ENV_INCARNATION", "ENV_JOB_ID",
+           "ENV_NUM_REPLICAS", "ENV_RANK", "ENV_RANKS", "ENV_REPLICA_ID", "ENV_RUN_DIR",
+           "ENV_SECRET", "WorkerIdentity", "replica_world_env", "task_world_env"]
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftcore.env import ENV_INJECT, ENV_PREFIX
 from ftcore.events import Event, read_events
 from ftcore.ids import new_job_secret
 
 from . import events as worker_events
-from .faults import ENV_INJECT
 from .identity import (
     ENV_HOST,
     ENV_INCARNATION,
@@ -53,7 +53,7 @@ class LocalJob:
 
     def env(self, replica_id: int, inject: str, rank: int = 0,
             incarnation: str = "0", master_port: int = 0) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("FTL_", "FTLAUNCH_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         env.update(self.config_env)
         env.update({ENV_REPLICA_ID: str(replica_id), ENV_NUM_REPLICAS: str(self.replicas),
                     ENV_RUN_DIR: str(self.run_dir), ENV_SECRET: self.secret,

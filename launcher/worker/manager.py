@@ -36,21 +36,19 @@ from typing import Any, Protocol
 from ckpt.errors import NoCheckpointError
 from ckpt.fetch import Peer
 from ckpt.manifest import Bytes, Manifest
-from ckpt.persist import PersistentStore
 from ckpt.rank import RankCheckpointer, RankPlace
-from ckpt.restore import DiskTier, RestoreChain, TierKind
+from ckpt.restore import Restored
 from ckpt.snapshot import DualBufferSnapshotter, StateSource
 from ftar import FtarGroup, ReduceOp
 from ftcore.config import Config
 from ftcore.errors import FtError, RecoverableError, TerminalAbort
+from ftcore.events import EventLog
 from ftcore.slurm.client import SlurmCli
 from launcher.heartbeat import ControllerWatchThread
-from ftcore.events import EventLog
 from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent
 from launcher.quorum.events import Event as QuorumEvent
 
 from .controller_loss import ControllerLostNotice, end_allocation, saver_of, wait_job_ended
-from .exchange import Job, StepWork
 from .events import (
     AllocationEnded,
     ControllerLost,
@@ -59,6 +57,7 @@ from .events import (
     WorkerStarted,
     WorkerStopped,
 )
+from .exchange import Job, StepWork
 from .faults import FaultInjector, FaultPoint
 from .identity import WorkerIdentity
 from .ledger import DataLedger, StepContribution
@@ -91,61 +90,54 @@ class TrainState(Protocol):
     def load(self, manifest: Manifest, buffer: Bytes) -> Mapping[str, Any]: ...
 
 
-@dataclass(frozen=True)
-class StepTiming:
-    quorum_s: float
-    allreduce_s: float
-    commit_s: float
-
-
 class Manager:
     def __init__(self, config: Config, identity: WorkerIdentity, state: TrainState,
                  batch_size: int, *, group: ReplicaGroup | None = None) -> None:
-        self.config = config
-        self.identity = identity
-        self.state = state
-        self.batch_size = batch_size
-        self.group = group or SoloGroup()
-        self.ledger = DataLedger(identity.num_replicas)
-        self.next_step = 0
-        self.budget = FailureBudget(config.runtime.max_consecutive_failures)
+        self._config = config
+        self._identity = identity
+        self._state = state
+        self._batch_size = batch_size
+        self._group = group or SoloGroup()
+        self._ledger = DataLedger(identity.num_replicas)
+        self._next_step = 0
+        self._budget = FailureBudget(config.runtime.max_consecutive_failures)
         run_dir = identity.run_dir
         tag = f"replica-{identity.replica_id}-rank-{identity.rank}"
-        self.events = EventLog(run_dir / "events" / f"{tag}.jsonl")
-        self.audit = (run_dir / "audit" / f"replica-{identity.replica_id}.jsonl"
+        self._events = EventLog(run_dir / "events" / f"{tag}.jsonl")
+        self._audit = (run_dir / "audit" / f"replica-{identity.replica_id}.jsonl"
                       if identity.rank == 0 else None)
-        self.faults = FaultInjector.from_env(identity.rank)
-        self.ftar = FtarGroup(config.ftar, identity.secret, identity.host,
+        self._faults = FaultInjector.from_env(identity.rank)
+        self._ftar = FtarGroup(config.ftar, identity.secret, identity.host,
                               progress_hook=self._on_ring_progress)
         ckpt_dir = Path(config.ckpt.dir)
         ckpt_config = dataclasses.replace(config.ckpt, dir=str(ckpt_dir if ckpt_dir.is_absolute()
                                                            else run_dir / ckpt_dir))
-        self.ckpt = RankCheckpointer(
+        self._ckpt = RankCheckpointer(
             ckpt_config, RankPlace(rank=identity.rank, world_size=identity.ranks,
                                    shard=identity.rank, shards=identity.ranks),
             secret=identity.secret, host=identity.host, persist=identity.replica_id == 0)
-        state.bind_snapshots(self.ckpt.snapshots)
-        mine = (self.ftar.address, (self.ckpt.address.host, self.ckpt.address.port))
-        gathered = self.group.all_gather(mine)
-        self.endpoints = ReplicaEndpoints(tuple(tuple(g[0]) for g in gathered),   # type: ignore[misc]
+        state.bind_snapshots(self._ckpt.snapshots)
+        mine = (self._ftar.address, (self._ckpt.address.host, self._ckpt.address.port))
+        gathered = self._group.all_gather(mine)
+        self._endpoints = ReplicaEndpoints(tuple(tuple(g[0]) for g in gathered),   # type: ignore[misc]
                                           tuple(tuple(g[1]) for g in gathered))   # type: ignore[misc]
-        self.agent: QuorumAgent | None = None
+        self._agent: QuorumAgent | None = None
         if identity.rank == 0:
             directory = FileDirectory(run_dir / "peers", identity.secret, identity.job_id)
-            self.agent = QuorumAgent(identity.replica_id, range(identity.num_replicas),
+            self._agent = QuorumAgent(identity.replica_id, range(identity.num_replicas),
                                      directory, identity.secret, config.quorum,
                                      job_id=identity.job_id, host=identity.host,
-                                     event_log=self.events).start()
+                                     event_log=self._events).start()
             if config.runtime.drop_lost_members:
-                self.agent.subscribe(self._on_quorum_event)
+                self._agent.subscribe(self._on_quorum_event)
         # Rank 0 watches the controller; its ranks hear of a loss with the quorum's answer.
         self._ending = threading.Event()
-        self.controller = (ControllerWatchThread(identity.heartbeat,
+        self._controller = (ControllerWatchThread(identity.heartbeat,
                                                  config.runtime.controller_timeout,
                                                  on_lost=self._end_if_stuck).start()
                            if identity.rank == 0 and identity.heartbeat is not None else None)
         self._quorum_id: int | None = None
-        self.work = StepWork()
+        self._work = StepWork()
         self._plan_ready = threading.Event()
         self._started = False
         self._exchanged = False
@@ -158,15 +150,37 @@ class Manager:
         self._error: BaseException | None = None
         self._in_gradient_allreduce = False
         self._restore_persistent()
-        self.events.emit(WorkerStarted(replica_id=identity.replica_id, rank=identity.rank,
-                                       next_step=self.next_step))
+        self._events.emit(WorkerStarted(replica_id=identity.replica_id, rank=identity.rank,
+                                       next_step=self._next_step))
 
     # ------------------------------------------------------------------ state
 
     @property
+    def config(self) -> Config:
+        return self._config
+
+    @property
+    def identity(self) -> WorkerIdentity:
+        return self._identity
+
+    @property
+    def state(self) -> TrainState:
+        return self._state
+
+    @property
+    def next_step(self) -> int:
+        """The step training is at: every step before it is committed."""
+        return self._next_step
+
+    @property
+    def positions(self) -> list[int]:
+        """Samples of every replica's stream consumed by committed steps."""
+        return list(self._ledger.positions)
+
+    @property
     def data_position(self) -> int:
         """Samples of this replica's stream consumed by committed steps."""
-        return self.ledger.positions[self.identity.replica_id]
+        return self._ledger.positions[self._identity.replica_id]
 
     @property
     def step_started(self) -> bool:
@@ -180,30 +194,31 @@ class Manager:
             raise RuntimeError("start_step() first")
         self._plan_ready.wait()
         if self._plan is None:
-            self.work.wait()          # raises what stopped the quorum
+            self._work.wait()          # raises what stopped the quorum
             raise RuntimeError("the quorum gave no plan for this step")
         return self._plan
 
     def _restore_persistent(self) -> None:
-        """After a full restart: resume from the newest complete persistent checkpoint
-        (every replica reads it; only replica 0 writes it)."""
-        root = Path(self.ckpt.config.dir)
-        if not root.is_dir():
-            return
-        store = PersistentStore(root, rank=self.identity.rank, world_size=self.identity.ranks,
-                                keep=self.ckpt.config.keep,
-                                every=self.ckpt.config.persist_every, create=False)
-        try:
-            restored = RestoreChain([DiskTier(store, TierKind.PERSISTENT)],
-                                    rank=self.identity.rank).restore()
-        except NoCheckpointError:
-            return
-        finally:
-            store.close()
-        loader_state = self.state.load(restored.manifest, restored.buffer)
-        self.ledger = DataLedger.from_state(dict(loader_state), self.identity.num_replicas)
-        self.next_step = restored.step + 1
-        log.info("restored step %d from %s", restored.step, restored.tier.value)
+        """After a full restart: resume from the newest step that every rank of this
+        replica restores soundly from ckpt's tiers (a replica that comes back older than
+        the others catches up from them at its first quorum)."""
+        chain = self._ckpt.restore_chain()
+        listed, _ = chain.available()
+        held = self._group.all_gather(sorted({candidate.step for candidate in listed}))
+        for step in sorted(set.intersection(*map(set, held)), reverse=True):
+            try:
+                restored: Restored | None = chain.restore(step)
+            except NoCheckpointError as error:  # every copy of it failed verification
+                log.warning("step %d cannot be restored: %s", step, error)
+                restored = None
+            if self._group.all_true(restored is not None):
+                assert restored is not None
+                loader_state = self._state.load(restored.manifest, restored.buffer)
+                self._ledger = DataLedger.from_state(dict(loader_state),
+                                                    self._identity.num_replicas)
+                self._next_step = restored.step + 1
+                log.info("restored step %d from %s", restored.step, restored.tier.value)
+                return
 
     # ------------------------------------------------------------------ the step
 
@@ -213,7 +228,7 @@ class Manager:
         self._error, self._contribution, self._catch_up, self._plan = None, None, None, None
         self._plan_ready.clear()
         self._started, self._exchanged = True, False
-        self.work.begin(self._settle_step)
+        self._work.begin(self._settle_step)
 
     def _settle_step(self) -> None:
         """On the exchange thread: the quorum, the ring, the catch-up fetch, and the
@@ -226,7 +241,7 @@ class Manager:
         if plan.reconfigure:
             self._quorum_id = None  # rebuilt below; on failure, rebuilt next step
             try:
-                self.ftar.reconfigure(plan.quorum_id, list(plan.ring), plan.my_index)
+                self._ftar.reconfigure(plan.quorum_id, list(plan.ring), plan.my_index)
             except FtError as error:  # a neighbour that fails the handshake: next quorum
                 if isinstance(error, RecoverableError):
                     raise
@@ -235,13 +250,13 @@ class Manager:
         self._quorum_id = plan.quorum_id
         if plan.kind is StepKind.CATCH_UP:
             peers = [Peer(host, port) for host, port in plan.fetch_from]
-            self._catch_up = self.ckpt.catch_up(peers, plan.step - 1)
-        self.faults.check(FaultPoint.START_STEP, plan.step)
+            self._catch_up = self._ckpt.catch_up(peers, plan.step - 1)
+        self._faults.check(FaultPoint.START_STEP, plan.step)
         training = plan.kind is StepKind.TRAIN
-        counts = self.ledger.contribution_vector(self.identity.replica_id,
-                                                 self.batch_size if training else 0)
-        self.ftar.allreduce(counts, op=ReduceOp.SUM, step=plan.step)
-        self._contribution = self.ledger.decode(plan.step, counts)
+        counts = self._ledger.contribution_vector(self._identity.replica_id,
+                                                 self._batch_size if training else 0)
+        self._ftar.allreduce(counts, op=ReduceOp.SUM, step=plan.step)
+        self._contribution = self._ledger.decode(plan.step, counts)
 
     def _join_quorum(self) -> StepPlan:
         """The quorum for the next step. One that cannot form yet (election,
@@ -254,36 +269,36 @@ class Manager:
             attempt_started = time.monotonic()
             try:
                 view = self._quorum_view()
-                return plan_step(view, self.identity.replica_id, self.identity.rank,
-                                 self._quorum_id, self.next_step)
+                return plan_step(view, self._identity.replica_id, self._identity.rank,
+                                 self._quorum_id, self._next_step)
             except RecoverableError as error:
-                log.warning("no quorum for step %d yet: %s", self.next_step, error)
-                self.budget.failed(error, self.next_step)
-                time.sleep(max(0.0, attempt_started + self.config.quorum.join_timeout
+                log.warning("no quorum for step %d yet: %s", self._next_step, error)
+                self._budget.failed(error, self._next_step)
+                time.sleep(max(0.0, attempt_started + self._config.quorum.join_timeout
                                - time.monotonic()))
 
     def _quorum_view(self) -> QuorumView:
         """Rank 0 asks the quorum; every rank of the replica gets its answer (or error)."""
         answer: QuorumView | ControllerLostNotice | str | None = None
-        if self.controller is not None and self.controller.lost.is_set():
-            answer = ControllerLostNotice(self.controller.reason)
-        elif self.agent is not None:
+        if self._controller is not None and self._controller.lost.is_set():
+            answer = ControllerLostNotice(self._controller.reason)
+        elif self._agent is not None:
             try:
                 answer = self._ask_quorum()
             except RecoverableError as error:
                 answer = str(error)
-        answer = self.group.broadcast(answer)
+        answer = self._group.broadcast(answer)
         if isinstance(answer, ControllerLostNotice):
             self._end_without_controller(answer.reason)
         if isinstance(answer, str):
-            raise RecoverableError(answer, replica_id=self.identity.replica_id,
-                                   rank=self.identity.rank)
+            raise RecoverableError(answer, replica_id=self._identity.replica_id,
+                                   rank=self._identity.rank)
         assert answer is not None
         return answer
 
     def _ask_quorum(self) -> QuorumView:
-        assert self.agent is not None
-        quorum = self.agent.get_quorum(self.next_step, address=self.endpoints.encode())
+        assert self._agent is not None
+        quorum = self._agent.get_quorum(self._next_step, address=self._endpoints.encode())
         return QuorumView(quorum_id=quorum.quorum_id, max_step=quorum.max_step,
                           members=tuple(sorted((m.replica_id, m.address)
                                                for m in quorum.members)),
@@ -294,14 +309,14 @@ class Manager:
         """Queue a reduction of (some of) this step's gradients on the exchange thread,
         after the quorum: hooks call this during backward. ``after`` runs once it ran
         or was skipped (the step failed earlier). The job, to wait on."""
-        return self.work.submit(lambda: self._run_reduction(reduce), after)
+        return self._work.submit(lambda: self._run_reduction(reduce), after)
 
     def _run_reduction(self, reduce: Callable[[Reduction], None]) -> None:
         plan = self._plan
         assert plan is not None  # the quorum ran first on this thread
         self._in_gradient_allreduce = True
         try:
-            reduce(Reduction(self.ftar, plan.step, plan.kind is StepKind.TRAIN))
+            reduce(Reduction(self._ftar, plan.step, plan.kind is StepKind.TRAIN))
         finally:
             self._in_gradient_allreduce = False
 
@@ -313,14 +328,14 @@ class Manager:
             return
         if not self._started:
             raise RuntimeError("start_step() first")
-        self.reduce_gradients(self.state.reduce_gradients)
-        error = self.work.wait()
+        self.reduce_gradients(self._state.reduce_gradients)
+        error = self._work.wait()
         self._exchanged = True
         if error is not None:
-            self._error = error.with_ids(replica_id=self.identity.replica_id,
-                                         rank=self.identity.rank)
+            self._error = error.with_ids(replica_id=self._identity.replica_id,
+                                         rank=self._identity.rank)
             return
-        self.state.finish_gradients()
+        self._state.finish_gradients()
 
     @contextmanager
     def training_step(self) -> Iterator[None]:
@@ -338,32 +353,31 @@ class Manager:
         self.allreduce_gradients()
         plan = self.plan
         self._started = False
-        self.faults.check(FaultPoint.BEFORE_COMMIT, plan.step)
+        self._faults.check(FaultPoint.BEFORE_COMMIT, plan.step)
         fetched = self._await_catch_up()
-        if not self.group.all_true(self._error is None):
+        if not self._group.all_true(self._error is None):
             return self._discard(plan)
         assert self._contribution is not None
         if fetched is not None:
-            loader_state = self.state.load(fetched.manifest, fetched.buffer)
-            self.ledger = DataLedger.from_state(dict(loader_state), self.identity.num_replicas)
-        self.ckpt.before_optimizer_step()
-        factor = lr_factor(self.config.runtime.lr_scaling, self._contribution.contributors,
-                           self.identity.num_replicas)
-        self.state.apply(factor)
-        positions_before = list(self.ledger.positions)
-        self.ledger.commit(self._contribution)
+            loader_state = self._state.load(fetched.manifest, fetched.buffer)
+            self._ledger = DataLedger.from_state(dict(loader_state), self._identity.num_replicas)
+        self._ckpt.before_optimizer_step()
+        factor = lr_factor(self._config.runtime.lr_scaling, self._contribution.contributors,
+                           self._identity.num_replicas)
+        self._state.apply(factor)
+        positions_before = list(self._ledger.positions)
+        self._ledger.commit(self._contribution)
         self._write_audit(plan, positions_before)
-        self.next_step = plan.step + 1
-        loader_state = self.ledger.to_state()
-        self.ckpt.after_optimizer_step(plan.step, self.state.snapshot_source(plan.step,
-                                                                             loader_state),
-                                       loader_state)
-        self.budget.succeeded()
-        self.events.emit(StepCommitted(
-            replica_id=self.identity.replica_id, rank=self.identity.rank, step=plan.step,
+        self._next_step = plan.step + 1
+        # the ledger rides in the snapshot: whoever restores it resumes every stream
+        self._ckpt.after_optimizer_step(plan.step, self._state.snapshot_source(
+            plan.step, self._ledger.to_state()))
+        self._budget.succeeded()
+        self._events.emit(StepCommitted(
+            replica_id=self._identity.replica_id, rank=self._identity.rank, step=plan.step,
             quorum_id=plan.quorum_id, contributors=self._contribution.contributors,
             caught_up=fetched is not None, lr_factor=factor, loss=loss))
-        self.faults.check(FaultPoint.AFTER_COMMIT, plan.step)
+        self._faults.check(FaultPoint.AFTER_COMMIT, plan.step)
         return True
 
     def _on_ring_progress(self, transfer: Any) -> None:
@@ -372,7 +386,7 @@ class Manager:
         plan = self._plan
         if (plan is not None and self._in_gradient_allreduce
                 and transfer.ring_step == len(plan.ring) - 2):
-            self.faults.check(FaultPoint.MID_ALLREDUCE, plan.step)
+            self._faults.check(FaultPoint.MID_ALLREDUCE, plan.step)
 
     def _on_quorum_event(self, event: QuorumEvent) -> None:
         """On the quorum's loop thread. A replica the quorum lost (its heartbeats
@@ -382,7 +396,7 @@ class Manager:
         if not isinstance(event, MembersLivenessChanged) or plan is None:
             return
         for replica in event.lost:
-            if replica != self.identity.replica_id and replica in plan.members:
+            if replica != self._identity.replica_id and replica in plan.members:
                 # Off the loop thread: telling the neighbours may wait for a frame boundary.
                 threading.Thread(target=self._fail_rings, name="ftar-member-lost",
                                  args=(plan.quorum_id, plan.members.index(replica), replica),
@@ -391,13 +405,13 @@ class Manager:
     def _fail_rings(self, quorum_id: int, index: int, replica: int) -> None:
         """Fail this rank's ring, then relay to the other ranks of the replica (only
         rank 0 hears the quorum); each rank's ring has the same member order."""
-        self.ftar.member_lost(quorum_id, index, f"replica {replica} silent for "
-                                                f"{self.config.quorum.member_timeout:g} s")
-        for rank, address in enumerate(self.endpoints.ftar):
-            if rank == self.identity.rank:
+        self._ftar.member_lost(quorum_id, index, f"replica {replica} silent for "
+                                                f"{self._config.quorum.member_timeout:g} s")
+        for rank, address in enumerate(self._endpoints.ftar):
+            if rank == self._identity.rank:
                 continue
             try:
-                self.ftar.relay_member_lost(address, quorum_id, index)
+                self._ftar.relay_member_lost(address, quorum_id, index)
             except (FtError, OSError) as exc:  # it has moved on, or it is gone itself
                 log.info("rank %d did not take the notice that replica %d is lost: %s",
                          rank, replica, exc)
@@ -407,29 +421,29 @@ class Manager:
     def _end_without_controller(self, reason: str) -> None:
         """Save the newest committed step and requeue the job, then stop (see
         ``controller_loss``). Collective: every rank of the replica is here."""
-        me = self.identity
+        me = self._identity
         self._ending.set()
-        self.events.emit(ControllerLost(replica_id=me.replica_id, rank=me.rank,
-                                        next_step=self.next_step, reason=reason))
-        slurm = SlurmCli(self.config.slurm.command_timeout)
+        self._events.emit(ControllerLost(replica_id=me.replica_id, rank=me.rank,
+                                        next_step=self._next_step, reason=reason))
+        slurm = SlurmCli(self._config.slurm.command_timeout)
         members = self._last_members
         if not saver_of(members, me.replica_id):
-            waited = self.config.runtime.controller_timeout
+            waited = self._config.runtime.controller_timeout
             log.error("controller lost (%s): waiting up to %g s for replica %d to save the "
                       "state and requeue job %s", reason, waited, min(members), me.job_id)
             ended = me.rank != 0 or wait_job_ended(slurm, me.job_id, waited)
-            if self.group.all_true(ended):
+            if self._group.all_true(ended):
                 raise TerminalAbort(f"controller lost: {reason}; the job was ended")
             log.error("job %s still runs: this replica saves the state and requeues it",
                       me.job_id)
         saved = self._persist_newest()
-        saved_by_all = self.group.all_true(saved is not None)
+        saved_by_all = self._group.all_true(saved is not None)
         outcome = "nothing to save"
         if me.rank == 0:
             log.error("controller lost (%s): step %s saved to the persistent tier; ending "
                       "the allocation", reason, saved if saved_by_all else "none")
             outcome = end_allocation(slurm, me.job_id)
-            self.events.emit(AllocationEnded(replica_id=me.replica_id,
+            self._events.emit(AllocationEnded(replica_id=me.replica_id,
                                              saved_step=saved if saved_by_all else None,
                                              outcome=outcome))
         raise TerminalAbort(f"controller lost: {reason}; {outcome}")
@@ -438,22 +452,22 @@ class Manager:
         """On the watch thread: if training does not reach a step boundary within
         ``runtime.controller_timeout`` (hung in a collective, say), end the allocation
         from here, unsaved (the persistent tier has the last scheduled checkpoint)."""
-        if not self._ending.wait(self.config.runtime.controller_timeout):
+        if not self._ending.wait(self._config.runtime.controller_timeout):
             log.error("controller lost (%s) and training is stuck: ending the allocation "
                       "without saving", reason)
-            end_allocation(SlurmCli(self.config.slurm.command_timeout), self.identity.job_id)
+            end_allocation(SlurmCli(self._config.slurm.command_timeout), self._identity.job_id)
 
     def _persist_newest(self) -> int | None:
         """Write the newest committed step to the persistent tier (this rank's shard);
         the step, or None if there is none or it could not be written in time."""
-        step = self.next_step - 1
+        step = self._next_step - 1
         if step < 0:
             return None
-        timeout = self.config.ckpt.fetch_timeout
-        self.ckpt.wait_persisted(timeout)     # a scheduled persist may be running
-        if step in self.ckpt.persistent.complete_steps():
+        timeout = self._config.ckpt.fetch_timeout
+        self._ckpt.wait_persisted(timeout)     # a scheduled persist may be running
+        if step in self._ckpt.persistent.complete_steps():
             return step
-        future = self.ckpt.persist_now(step)
+        future = self._ckpt.persist_now(step)
         try:
             if future is None:
                 raise TimeoutError("a persist is still running")
@@ -475,40 +489,40 @@ class Manager:
     def _discard(self, plan: StepPlan) -> bool:
         error = self._error or RecoverableError("another rank of this replica failed the step")
         log.warning("step %d discarded: %s", plan.step, error)
-        self.state.zero_gradients()
+        self._state.zero_gradients()
         self._quorum_id = None  # the ring may be broken: rebuild it under the next quorum
-        if self.agent is not None:
-            self.agent.report_commit_failure()
-        self.events.emit(StepDiscarded(replica_id=self.identity.replica_id,
-                                       rank=self.identity.rank, step=plan.step,
+        if self._agent is not None:
+            self._agent.report_commit_failure()
+        self._events.emit(StepDiscarded(replica_id=self._identity.replica_id,
+                                       rank=self._identity.rank, step=plan.step,
                                        quorum_id=plan.quorum_id, reason=str(error)))
-        self.budget.failed(error, plan.step)
+        self._budget.failed(error, plan.step)
         return False
 
     def _write_audit(self, plan: StepPlan, positions_before: list[int]) -> None:
-        if self.audit is None:
+        if self._audit is None:
             return
         assert self._contribution is not None
         record = {"step": plan.step, "quorum_id": plan.quorum_id, "time": time.time(),
                   "positions_before": positions_before,
                   "counts": list(self._contribution.counts)}
-        self.audit.parent.mkdir(parents=True, exist_ok=True)
-        with self.audit.open("a", encoding="utf-8") as handle:
+        self._audit.parent.mkdir(parents=True, exist_ok=True)
+        with self._audit.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
-        if self.controller is not None:
-            self.controller.stop()
-        if self.agent is not None:
-            self.agent.stop()
-        self.work.close()
-        self.ckpt.wait_persisted(self.config.ckpt.fetch_timeout)
-        self.ckpt.close()
-        self.ftar.close()
-        stats = self.ftar.stats()
-        self.events.emit(WorkerStopped(
-            replica_id=self.identity.replica_id, rank=self.identity.rank,
-            next_step=self.next_step, ftar_ops=stats.ops_completed,
+        if self._controller is not None:
+            self._controller.stop()
+        if self._agent is not None:
+            self._agent.stop()
+        self._work.close()
+        self._ckpt.wait_persisted(self._config.ckpt.fetch_timeout)
+        self._ckpt.close()
+        self._ftar.close()
+        stats = self._ftar.stats()
+        self._events.emit(WorkerStopped(
+            replica_id=self._identity.replica_id, rank=self._identity.rank,
+            next_step=self._next_step, ftar_ops=stats.ops_completed,
             ftar_ops_failed=stats.ops_failed, ftar_bytes_sent=stats.bytes_sent,
             ftar_bytes_received=stats.bytes_received))
-        self.events.close()
+        self._events.close()

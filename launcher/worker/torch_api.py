@@ -216,7 +216,7 @@ class TorchReplicaGroup:
 
     Without ``MASTER_ADDR`` the rendezvous goes through a file store in the run
     directory, named by the replica's incarnation (its Slurm step, or
-    ``FTLAUNCH_INCARNATION``), so a relaunched replica never meets a dead one's."""
+    ``FTL_WORKER_INCARNATION``), so a relaunched replica never meets a dead one's."""
 
     def __init__(self, identity: WorkerIdentity, timeout_s: float = 300.0) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 TORCH_FREE = ["ckpt.manifest", "ckpt.placement", "ckpt.wire", "ckpt.dual", "ckpt.snapshot",
-              "ckpt.serve", "ckpt.fetch", "ckpt.backup", "ckpt.persist", "ckpt.loader_state",
+              "ckpt.serve", "ckpt.fetch", "ckpt.backup", "ckpt.persist",
               "ckpt.restore", "ckpt.rank"]
 
 

@@ -12,15 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ckpt import persist
 from ckpt.errors import (
     CheckpointCorruptError,
-    NoCheckpointError,
     StorageError,
     StorageSetupError,
     storage_error,
 )
-from ckpt.loader_state import LoaderStateStore
-from ckpt import persist
 from ckpt.persist import Completeness, PersistBusyError, PersistentStore, step_dir_name
 from ckpt.snapshot import DualBufferSnapshotter
 from tests.waiting import wait_until
@@ -228,24 +226,6 @@ def test_errno_classification(code, kind):
     error = storage_error("write shard", "/x", OSError(code, os.strerror(code)), step=5)
     assert type(error) is kind
     assert errno.errorcode[code] in str(error) and "step=5" in str(error)
-
-
-def test_loader_state_round_trip_and_faults(tmp_path):
-    store = LoaderStateStore(tmp_path, rank=2)
-    with pytest.raises(NoCheckpointError):
-        store.read()
-    for step in range(3):
-        store.write(step, {"epoch": 1, "position": 64 * step, "seed": 7})
-    record = store.read()
-    assert (record.step, record.state["position"]) == (2, 128)
-    assert [p.name for p in store.path.parent.iterdir()] == ["rank-00002.json"]  # no temp left
-    store.path.write_text('{"step": 3, "rank": 2, "sta')
-    with pytest.raises(CheckpointCorruptError):
-        store.read()
-    other = LoaderStateStore(tmp_path, rank=5)
-    other.path.write_text('{"step": 1, "rank": 2, "state": {}}')  # a file copied wrongly
-    with pytest.raises(CheckpointCorruptError, match="not rank 5"):
-        other.read()
 
 
 def test_tensor_names_become_hdf5_paths(tmp_path):

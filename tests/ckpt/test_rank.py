@@ -42,8 +42,7 @@ def _run(ckpt: RankCheckpointer, state: dict[str, np.ndarray], steps: range) -> 
     for step in steps:
         ckpt.before_optimizer_step()
         _train_step(state, step)
-        ckpt.after_optimizer_step(step, ArrayState(state, meta={"step": step}),
-                                  {"position": step + 1})
+        ckpt.after_optimizer_step(step, ArrayState(state, meta={"step": step}))
         ckpt.wait_persisted(timeout=30)  # steps here take microseconds, not seconds
     ckpt.before_optimizer_step()
 
@@ -63,7 +62,6 @@ def test_behind_replica_catches_up_and_ends_identical(tmp_path):
             np.testing.assert_array_equal(caught[name], state[name])
         assert healthy.persistent is not None
         assert healthy.persistent.complete_steps() == [4, 6]
-        assert healthy.loader.read().state == {"position": 8}
     finally:
         healthy.close()
         behind.close()
@@ -109,7 +107,6 @@ def test_every_tunable_comes_from_the_config(tmp_path):
             assert store is not None and store.completeness is completeness
             assert (store.keep, store.every, store.durable) == (4, 3, False)
         assert ckpt.local is not None and ckpt.local.root == tmp_path / "local"
-        assert ckpt.loader.durable is False
         assert ckpt.sender is not None and ckpt.sender.every == 5
         assert ckpt.server.io_timeout == 9.0
         assert ckpt.restore_chain().check_finite is False

@@ -30,7 +30,7 @@ def test_cpu_digest_is_repeatable_and_sdc_changes_it(tmp_path):
     assert run.deterministic and len(run.digests[0]) == 64
     references = {run.platform: run.digests[0]}
     (tmp_path / "n1.json").write_text(json.dumps([{"gpu": 0, "sdc": True}]))
-    settings = parse_settings({"node": {"backend": "simulated", "gpus_per_node": 1,
+    settings = parse_settings({"health": {"backend": "simulated", "gpus_per_node": 1,
                                         "sim_fault_dir": str(tmp_path)}}, "t")
     check = bind("alignment", AlignmentParams(devices=("cpu",), repeats=1, timeout=100,
                                               references=references))

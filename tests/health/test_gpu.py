@@ -26,7 +26,7 @@ def test_nvml_reports_every_gpu_with_its_facts(snapshot):
 
 
 def test_node_profiles_pass_on_a_healthy_gpu_node(snapshot):
-    settings = parse_settings({"node": {"backend": "nvml", "gpus_per_node": snapshot.count},
+    settings = parse_settings({"health": {"backend": "nvml", "gpus_per_node": snapshot.count},
                                "checks": {"disk": {"min_free_bytes": 1}}}, "gpu")
     for name in ("prolog", "healthcheck", "inspection"):
         report = run_profile(settings.profile(name), settings.context("gpu-node"))

@@ -27,7 +27,7 @@ from ftcore.logs import SAMPLE_EVERY
 from health.channel import Collector, Sender
 from health.inspection import SECRET_ENV, node_alarm, report_from
 from health.monitor import DetectionMonitor
-from health.settings import CONFIG_ENV
+from health.settings import ENV_CONFIG
 from health.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL,
@@ -120,10 +120,10 @@ class LocalSteps:
 def inspection(tmp_path: Path) -> Iterator[tuple[NodeInspection, str, Path]]:
     secret = new_job_secret()
     config = tmp_path / "health.toml"
-    config.write_text(f'[node]\ngpus_per_node = 8\nbackend = "simulated"\n'
+    config.write_text(f'[health]\ngpus_per_node = 8\nbackend = "simulated"\n'
                       f'sim_fault_dir = "{tmp_path}"\n'
                       f'[checks.disk]\npaths = ["/"]\nmin_free_bytes = 1\n')
-    env = {**os.environ, SECRET_ENV: secret, CONFIG_ENV: str(config), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, SECRET_ENV: secret, ENV_CONFIG: str(config), "PYTHONPATH": str(REPO)}
     steps: Any = LocalSteps()  # the part of SlurmBackend that NodeInspection uses
     watched = NodeInspection(HealthConfig(inspection_interval=0.2), steps, secret, env, tmp_path)
     try:

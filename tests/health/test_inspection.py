@@ -38,14 +38,14 @@ def collect_until(collector, condition, timeout):
 def test_agent_process_reports_until_a_fault_then_alarms(tmp_path):
     secret = new_job_secret()
     config = tmp_path / "health.toml"
-    config.write_text(f'[node]\ngpus_per_node = 8\nbackend = "simulated"\n'
+    config.write_text(f'[health]\ngpus_per_node = 8\nbackend = "simulated"\n'
                       f'sim_fault_dir = "{tmp_path}"\n'
                       f'[checks.disk]\npaths = ["/"]\nmin_free_bytes = 1\n')
     collector = Collector(secret)
     agent = subprocess.Popen(
         [sys.executable, "-m", "health.inspection", "--endpoint", collector.endpoint,
          "--node", "n2", "--interval", "0.2", "--config", str(config)],
-        env={**os.environ, "FTLAUNCH_JOB_SECRET": secret, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "FTL_WORKER_SECRET": secret, "PYTHONPATH": str(REPO)},
         stderr=subprocess.DEVNULL)
     try:
         first = collect_until(collector, lambda e: e.kind is MessageKind.REPORT, 20)
@@ -64,7 +64,7 @@ def test_agent_process_reports_until_a_fault_then_alarms(tmp_path):
 def test_agent_in_process_run_once(tmp_path):
     secret = new_job_secret()
     collector = Collector(secret)
-    settings = parse_settings({"node": {"backend": "simulated", "gpus_per_node": 2},
+    settings = parse_settings({"health": {"backend": "simulated", "gpus_per_node": 2},
                                "checks": {"disk": {"min_free_bytes": 1}}}, "t")
     agent = InspectionAgent(settings, "n1", collector.endpoint, secret, interval=60)
     try:

@@ -38,11 +38,11 @@ def lab(tmp_path):
     scontrol.write_text(FAKE_SCONTROL)
     scontrol.chmod(0o755)
     config = tmp_path / "health.toml"
-    config.write_text(f'[node]\ngpus_per_node = 8\nbackend = "simulated"\n'
+    config.write_text(f'[health]\ngpus_per_node = 8\nbackend = "simulated"\n'
                       f'sim_fault_dir = "{faults}"\nreport_dir = "{reports}"\n'
                       f'[checks.disk]\npaths = ["/"]\nmin_free_bytes = 1\n')
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(tmp_path),
-           "FT_LAUNCH_HEALTH_CONFIG": str(config), "SLURMD_NODENAME": "n3",
+           "FTL_CONFIG": str(config), "SLURMD_NODENAME": "n3",
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     return tmp_path, env
 
@@ -130,10 +130,10 @@ def test_epilog_judges_the_job_record():
 def test_a_broken_config_fails_open(lab, tmp_path):
     _, env = lab
     bad = tmp_path / "bad.toml"
-    bad.write_text("[node]\ngpus = 8\n")
-    done = run("slurm_plugins.prolog", env, FT_LAUNCH_HEALTH_CONFIG=str(bad))
+    bad.write_text("[health]\ngpus = 8\n")
+    done = run("slurm_plugins.prolog", env, FTL_CONFIG=str(bad))
     assert done.returncode == 0
-    assert "NOT checked" in done.stderr and "unknown key 'gpus'" in done.stderr
+    assert "NOT checked" in done.stderr and "key 'health.gpus': unknown key" in done.stderr
 
 
 def test_job_controlled_strings_never_reach_a_command(lab):

@@ -61,10 +61,10 @@ def test_replay_job_digest_is_deterministic_and_corruption_shows():
 def test_local_replay_finds_the_node_injected_with_silent_corruption(tmp_path):
     (tmp_path / "n05.json").write_text(json.dumps([{"sdc": True}]))
     config = tmp_path / "health.toml"
-    config.write_text(f'[node]\nbackend = "simulated"\nsim_fault_dir = "{tmp_path}"\n')
+    config.write_text(f'[health]\nbackend = "simulated"\nsim_fault_dir = "{tmp_path}"\n')
     launcher = LocalGroupLauncher(
         [sys.executable, "-m", "health.replay_job", "--expect", reference_digest()],
-        env={**os.environ, "FT_LAUNCH_HEALTH_CONFIG": str(config), "PYTHONPATH": str(REPO)})
+        env={**os.environ, "FTL_CONFIG": str(config), "PYTHONPATH": str(REPO)})
     grid = plan_replay_grid(NODES[:8], pp=2, dp=4, k=1)
     verdict, outcomes = run_replay(grid, launcher)
     assert (verdict.status, verdict.suspects) == (ReplayStatus.FOUND, ("n05",))
@@ -76,7 +76,7 @@ def test_srun_launcher_runs_one_step_per_group(tmp_path):
     """A stand-in srun records its argv and fails the step that holds n03."""
     srun = tmp_path / "srun"
     srun.write_text("#!/bin/sh\necho \"$*\" >> \"$LOG\"  # one write: groups run concurrently\n"
-                    "case \"$FTLAUNCH_REPLAY_NODES\" in *n03*) exit 1;; esac\n")
+                    "case \"$FTL_WORKER_REPLAY_NODES\" in *n03*) exit 1;; esac\n")
     srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
     log = tmp_path / "log"
     slurm = SlurmCli(env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",

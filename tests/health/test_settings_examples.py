@@ -6,19 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config import HealthConfig
+from ftcore.config import Config, HealthConfig
 from ftcore.errors import ConfigError
 from health.catalog import CATALOG
 from health.gpu_facts import NoGpuBackend
 from health.profile import run_profile
 from health.result import CheckStatus
 from health.settings import (
-    CONFIG_ENV,
     DEFAULT_PATH,
+    ENV_CONFIG,
     HealthSettings,
-    from_health_config,
     load_settings,
     parse_settings,
+    settings_from,
 )
 from health.simulation import SimulatedNvml, load_faults
 
@@ -58,22 +58,26 @@ def test_lab_config_simulates_faults_per_node(tmp_path):
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"nodes": {}}, "unknown key 'nodes' in top level"),
-    ({"node": {"gpus": 8}}, "unknown key 'gpus' in \\[node\\]"),
-    ({"node": {"gpus_per_node": "8"}}, "expected an integer"),
-    ({"node": {"backend": "cuda"}}, "must be one of"),
-    ({"node": {"backend": "none", "gpus_per_node": 8}}, "contradicts"),
-    ({"checks": {"disks": {}}}, "unknown key 'disks' in \\[checks\\]"),
-    ({"checks": {"disk": {"path": "/"}}}, "unknown key 'path' in \\[checks.disk\\]"),
+    ({"node": {}}, "unknown section \\[node\\]"),
+    ({"health": {"gpus": 8}}, "key 'health.gpus': unknown key"),
+    ({"health": {"gpus_per_node": "8"}}, "key 'health.gpus_per_node': expected an integer"),
+    ({"health": {"backend": "cuda"}}, "key 'health.backend': must be one of"),
+    ({"health": {"backend": "none", "gpus_per_node": 8}}, "contradicts"),
+    ({"health": {"xid_window": -1.0}}, "key 'health.xid_window': must be a finite number"),
+    ({"checks": {"disks": {}}}, "key 'checks.disks': unknown check"),
+    ({"checks": {"disk": {"path": "/"}}}, "key 'checks.disk.path': unknown key"),
     ({"checks": {"disk": {"paths": "/"}}}, "expected a list"),
+    ({"checks": {"disk": "/"}}, "key 'checks.disk': must be a table"),
     ({"checks": {"gpu_lost": {"x": 1}}}, "takes no parameters"),
     ({"checks": {"gpu_thermal": {"fail_throttle": ["hot"]}}}, "unknown reasons"),
-    ({"profiles": {"prolog": {"checks": ["gpu_xid", "gpu_xdi"]}}}, "unknown key 'gpu_xdi'"),
+    ({"checks": {"alignment": {"references": {"cpu": 1}}}}, "references.cpu.*expected a string"),
+    ({"profiles": {"prolog": {"checks": ["gpu_xid", "gpu_xdi"]}}}, "unknown check 'gpu_xdi'"),
     ({"profiles": {"prolog": {"budget": 0}}}, "positive"),
 ])
-def test_config_mistakes_are_errors_naming_the_key(raw, message):
-    with pytest.raises(ConfigError, match=message):
+def test_config_mistakes_are_errors_naming_the_file_and_key(raw, message):
+    with pytest.raises(ConfigError, match=message) as info:
         parse_settings(raw, "test.toml")
+    assert info.value.source == "test.toml"
 
 
 def test_profiles_can_be_replaced_and_added():
@@ -92,17 +96,17 @@ def test_config_file_location(tmp_path):
     assert load_settings(env={}).source in ("defaults", str(DEFAULT_PATH))
     named = tmp_path / "h.toml"
     with pytest.raises(ConfigError, match="file not found"):
-        load_settings(env={CONFIG_ENV: str(named)})
-    named.write_text('[node]\nbackend = "none"\n')
-    assert load_settings(env={CONFIG_ENV: str(named)}).source == str(named)
+        load_settings(env={ENV_CONFIG: str(named)})
+    named.write_text('[health]\nbackend = "none"\n')
+    assert load_settings(env={ENV_CONFIG: str(named)}).source == str(named)
     named.write_text("[node\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_settings(named)
 
 
 def test_settings_from_the_job_health_section():
-    settings = from_health_config(HealthConfig(gpus_per_node=4, backend="simulated",
-                                               min_free_disk_bytes=123))
+    settings = settings_from(Config(health=HealthConfig(gpus_per_node=4, backend="simulated",
+                                                        min_free_disk_bytes=123)))
     assert settings.node.gpus_per_node == 4 and settings.params("disk").min_free_bytes == 123
     assert isinstance(settings.gpu_backend("n1"), SimulatedNvml)
     if not Path("/dev/nvidiactl").exists():  # "auto" without a GPU driver: no backend
@@ -110,7 +114,7 @@ def test_settings_from_the_job_health_section():
 
 
 def test_every_builtin_profile_passes_on_a_healthy_simulated_node(tmp_path):
-    settings = parse_settings({"node": {"backend": "simulated", "gpus_per_node": 8,
+    settings = parse_settings({"health": {"backend": "simulated", "gpus_per_node": 8,
                                         "sim_fault_dir": str(tmp_path)},
                                "checks": {"disk": {"min_free_bytes": 1}}}, "t")
     for name in settings.profiles:

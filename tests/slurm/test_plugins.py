@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 
 from ftcore.slurm.client import SlurmCli
+from health.drain_request import job_comment, write_request
 from health.replay import ReplayStatus, plan_replay_grid
 from health.replay_job import reference_digest
-from health.drain_request import job_comment, write_request
 from health.replay_runner import SrunGroupLauncher, run_replay
 from tests.cluster import labcluster
 from tests.waiting import wait_until
@@ -59,7 +59,7 @@ def health(slurm_cluster, tmp_path):
     faults.mkdir()
     reports.mkdir()
     config = tmp_path / "health.toml"
-    config.write_text(f'[node]\ngpus_per_node = 8\nbackend = "simulated"\n'
+    config.write_text(f'[health]\ngpus_per_node = 8\nbackend = "simulated"\n'
                       f'sim_fault_dir = "{faults}"\nreport_dir = "{reports}"\n'
                       f'log_file = "{tmp_path / "hooks.log"}"\n'
                       f'[checks.disk]\npaths = ["/"]\nmin_free_bytes = 1048576\n'
@@ -71,14 +71,14 @@ def health(slurm_cluster, tmp_path):
         path = tmp_path / f"ft-{hook}"
         path.write_text("\n".join([
             "#!/bin/sh",
-            f"export FT_LAUNCH_HEALTH_CONFIG={shlex.quote(str(config))}",
+            f"export FTL_CONFIG={shlex.quote(str(config))}",
             f"export SLURM_CONF={shlex.quote(str(labcluster.state_dir() / 'slurm.conf'))}",
             f"export PYTHONPATH={shlex.quote(str(REPO))}",
             f"exec {shlex.quote(sys.executable)} -m slurm_plugins.{hook}", ""]))
         path.chmod(0o755)
         return str(path)
 
-    env = {**labcluster.client_env(), "FT_LAUNCH_HEALTH_CONFIG": str(config),
+    env = {**labcluster.client_env(), "FTL_CONFIG": str(config),
            "PYTHONPATH": str(REPO)}
     try:
         yield HealthLab(faults, reports, tmp_path, env, wrapper)

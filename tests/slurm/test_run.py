@@ -44,7 +44,7 @@ from ckpt.persist import step_dir_name
 from launcher import events as controller_events
 from launcher import versions
 from launcher.events import EventTail
-from launcher.report import commits, controller_log
+from launcher.reporting.runlog import commits, controller_log
 from launcher.standby import ready_file
 from launcher.worker import events as worker_events
 from launcher.worker.audit import check_exactly_once
@@ -191,7 +191,7 @@ def test_killed_replica_node_is_replaced_by_the_warm_standby(training, slurm_clu
     (promoted,) = run.wait_promoted(1)
     assert promoted.replica_id == victim_replica and promoted.node != victim
     (info,) = slurm_cluster.slurm.nodes((victim,))
-    assert info.drained and info.reason.startswith("ft-launch:")
+    assert info.drained and info.reason.startswith("ft: ")   # health.drain's one format
     summary = run.finish()
     rejoined = [e for e in commits(run.run_dir)[victim_replica] if e.caught_up]
     assert rejoined and rejoined[0].step > step_at_kill
@@ -219,7 +219,7 @@ def simulated_gpus(tmp_path) -> tuple[Path, Path]:
     faults = tmp_path / "faults"
     faults.mkdir()
     config = tmp_path / "health.toml"
-    config.write_text(f'[node]\ngpus_per_node = 8\nbackend = "simulated"\n'
+    config.write_text(f'[health]\ngpus_per_node = 8\nbackend = "simulated"\n'
                       f'sim_fault_dir = "{faults}"\n'
                       f'[checks.disk]\npaths = ["/"]\nmin_free_bytes = 1048576\n'
                       f'[checks.shm]\nmin_free_bytes = 1048576\n')
@@ -230,7 +230,7 @@ def test_promoted_node_failing_the_health_gate_passes_the_replica_on(training, s
     faults, config = simulated_gpus
     # No inspection steps: they would find the fault on the idle standby first (and evict
     # it, which is right too); here the fault lands between two inspection rounds.
-    run = training(standby=2, steps=1000, FT_LAUNCH_HEALTH_CONFIG=str(config),
+    run = training(standby=2, steps=1000, FTL_CONFIG=str(config),
                    FTL_HEALTH_INSPECTION="false")
     run.wait_training(60)
     first, second = run.standby_nodes()
@@ -252,7 +252,7 @@ def test_inspection_alarm_on_a_replica_node_evicts_it(training, simulated_gpus):
     inspection step reports it, the node is drained with that reason, the standby
     promoted; no process died."""
     faults, config = simulated_gpus
-    run = training(steps=900, FT_LAUNCH_HEALTH_CONFIG=str(config),
+    run = training(steps=900, FTL_CONFIG=str(config),
                    FTL_HEALTH_INSPECTION_INTERVAL="1")
     run.wait_training(60)
     (victim,) = run.victims(1)

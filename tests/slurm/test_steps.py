@@ -104,7 +104,7 @@ def test_dead_node_spares_the_job_and_a_spare_takes_a_new_step(slurm_cluster, tm
         spec = StepSpec(nodes=(spare,), job_id=job_id, name="replica-1",
                         command=(sys.executable, str(JOBS / "replica_task.py"), str(tmp_path),
                                  "--wait-for", str(tmp_path / "release")),
-                        extra_args=("--export=ALL,FTLAUNCH_REPLICA_ID=1r",))
+                        extra_args=("--export=ALL,FTL_WORKER_REPLICA_ID=1r",))
         replacement = subprocess.Popen(labcluster.ctl_prefix() + srun_argv(spec),
                                        env=labcluster.client_env())
         wait_until(lambda: "1r" in records(tmp_path, "started"), 60, "replacement to start")

@@ -5,8 +5,18 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config import (MAX_FILE_BYTES, SECTIONS, Config, FtarConfig, LrScaling,
-                           RecoveryConfig, field_bounds, load_config, save_config, to_toml)
+from ftcore.config import (
+    MAX_FILE_BYTES,
+    SECTIONS,
+    Config,
+    FtarConfig,
+    LrScaling,
+    RecoveryConfig,
+    field_bounds,
+    load_config,
+    save_config,
+    to_toml,
+)
 from ftcore.errors import ConfigError, ExitCode
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launcher.ettr import (
+from launcher.reporting.ettr import (
     JobModel,
     RecoveryCost,
     binomial_quantile,

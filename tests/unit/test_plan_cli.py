@@ -19,7 +19,7 @@ def test_plan_splits_replicas_then_standby():
     commands = plan.srun_commands()
     assert len(commands) == 3
     assert "--nodelist=n[3-4]" in commands[1] and "--jobid=5" in commands[1]
-    assert any("FTLAUNCH_REPLICA_ID=1" in arg for arg in commands[1])
+    assert any("FTL_WORKER_REPLICA_ID=1" in arg for arg in commands[1])
     assert commands[2][-2:] == ["python", "train.py"]
 
 
@@ -99,7 +99,7 @@ def test_cli_standby_size():
     result = run_cli("standby-size", "--machines", "1000", "--daily-failure-rate", "0.002",
                      "--window", "24")
     assert result.returncode == 0, result.stderr
-    from launcher.ettr import standby_size
+    from launcher.reporting.ettr import standby_size
     expected = standby_size(1000, 0.002, 24)
     assert f"hold {expected} warm standby" in result.stdout
     assert "ETTR gained per standby node" in result.stdout

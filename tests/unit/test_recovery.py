@@ -6,9 +6,11 @@ from launcher import recovery as rc
 
 
 def state(replicas=3, standby=("s1",), nodes_per_replica=1):
+    """Every replica launched and running, none has committed a step yet."""
     return rc.RunState(
         replicas=tuple(rc.Replica(r, tuple(f"n{r * nodes_per_replica + k}"
-                                           for k in range(nodes_per_replica)))
+                                           for k in range(nodes_per_replica)),
+                                  rc.ReplicaState.RUNNING)
                        for r in range(replicas)),
         standby=tuple(standby), nodes_per_replica=nodes_per_replica)
 

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from ftcore.config import JobConfig
 from ftcore.errors import RecoverableError, UsageError
 from launcher.plan import plan_allocation, replica_step_spec
 from launcher.worker.exchange import StepWork
@@ -18,7 +19,6 @@ from launcher.worker.identity import (
     replica_world_env,
     task_world_env,
 )
-from ftcore.config import JobConfig
 
 
 def test_task_world_env_takes_rank_and_master_from_the_step() -> None:

@@ -65,7 +65,8 @@ def test_control_argv():
     assert commands.scancel_step_argv(StepRef("9", "2")) == ["scancel", "9.2"]
     assert commands.update_node_argv("n3", "drain", "ft-launch: gpu3 xid 79") == [
         "scontrol", "update", "nodename=n3", "state=drain", "reason=ft-launch: gpu3 xid 79"]
-    grow = commands.expand_job_argv("9", "n7", reservation="pool")
+    grow = commands.allocate_argv(1, name="ftl-grow-9", reservation="pool", nodelist=("n7",),
+                                  expand="9", immediate_s=30)
     assert grow[:2] == ["salloc", "--no-shell"] and "--dependency=expand:9" in grow
     assert "--nodelist=n7" in grow and "--reservation=pool" in grow
     assert commands.shrink_job_argv("5", ("n2", "n3")) == [

@@ -2,71 +2,37 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
+from matplotlib.colors import to_rgb
+from matplotlib.image import imread
 
 from ftcore.errors import UsageError
-from ftcore.events import EventLog, RunStarted
-from launcher import timeline as tl
-from launcher.events import (
-    NodeFaultDetected,
-    ReplicaExited,
-    ReplicaLaunched,
-    RunFinished,
-    StandbyPromoted,
+from ftcore.events import EventLog
+from launcher.reporting import plots
+from launcher.reporting import timeline as tl
+from tests.unit.recorded_run import (
+    BACK,
+    BACK_2,
+    CRASH,
+    END,
+    FAULT,
+    LAST_1,
+    LAST_2,
+    PROMOTED,
+    RETRY,
+    commit,
+    write_run,
 )
-from launcher.pngplot import COLOURS
-from launcher.versions import CodeVersionApplied
-from launcher.worker.events import StepCommitted, WorkerStarted
-from tests.pngread import read_png
-
-T0 = 1_000.0
-FAULT, PROMOTED, BACK = 40.5, 41.0, 80.0        # replica 1: node lost, standby, first commit
-CRASH, RETRY, BACK_2 = 50.0, 51.0, 55.0          # replica 2: crash, retry on a new version
-END = 100.5
-
-
-def commit(replica_id: int, at: float, step: int) -> StepCommitted:
-    return StepCommitted(replica_id=replica_id, rank=0, step=step, quorum_id=1,
-                         contributors=3, caught_up=False, lr_factor=1.0, time=T0 + at)
-
-
-def commit_times(replica_id: int) -> list[float]:
-    every = [float(t) for t in range(2, 101)]
-    if replica_id == 1:
-        return [t for t in every if t < FAULT or t >= BACK]
-    if replica_id == 2:
-        return [t for t in every if t < CRASH or t >= BACK_2]
-    return every
 
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
-    with EventLog(tmp_path / "controller.jsonl") as log:
-        log.emit(RunStarted(job_id="42", replicas=3, nodes=["n0", "n1", "n2", "s1"], time=T0))
-        for r in range(3):
-            log.emit(ReplicaLaunched(replica_id=r, nodes=[f"n{r}"], how="initial",
-                                     time=T0 + 0.5))
-            log.emit(CodeVersionApplied(replica_id=r, version=1, command=["python", "t.py"],
-                                        digest="a" * 64, time=T0 + 0.5))
-        log.emit(NodeFaultDetected(node="n1", replica_id=1, reason="xid 79", time=T0 + FAULT))
-        log.emit(StandbyPromoted(replica_id=1, node="s1", time=T0 + PROMOTED))
-        log.emit(ReplicaLaunched(replica_id=1, nodes=["s1"], how="promoted",
-                                 time=T0 + PROMOTED))
-        log.emit(ReplicaExited(replica_id=2, exit_code=1, time=T0 + CRASH))
-        log.emit(ReplicaLaunched(replica_id=2, nodes=["n2"], how="retry", time=T0 + RETRY))
-        log.emit(CodeVersionApplied(replica_id=2, version=2, command=["python", "t2.py"],
-                                    digest="b" * 64, time=T0 + RETRY))
-        log.emit(ReplicaExited(replica_id=0, exit_code=0, time=T0 + 100.2))
-        log.emit(RunFinished(exit_code=0, reason="training finished", time=T0 + END))
-    for r in range(3):
-        with EventLog(tmp_path / "events" / f"replica-{r}-rank-0.jsonl") as log:
-            log.emit(WorkerStarted(replica_id=r, rank=0, next_step=0, time=T0 + 1))
-            for step, at in enumerate(commit_times(r)):
-                log.emit(commit(r, at, step if r != 1 or at < FAULT else int(at)))
-    return tmp_path
+    return write_run(tmp_path / "run")
 
 
 def test_states_come_from_launches_faults_and_commits(run_dir: Path) -> None:
@@ -75,59 +41,74 @@ def test_states_come_from_launches_faults_and_commits(run_dir: Path) -> None:
     by_replica = {r: [(s.start, s.end, s.state) for s in timeline.segments if s.replica_id == r]
                   for r in timeline.replicas}
     starting, training, down = tl.BandState.STARTING, tl.BandState.TRAINING, tl.BandState.DOWN
-    assert by_replica[1] == [(0.5, 2.0, starting), (2.0, FAULT, training),
-                             (FAULT, BACK, down), (BACK, END, training)]
-    assert by_replica[2] == [(0.5, 2.0, starting), (2.0, CRASH, training),
-                             (CRASH, BACK_2, down), (BACK_2, END, training)]
+    # down from the last commit: no progress since, though the fault is found later
+    assert by_replica[1] == [(0.5, 2.0, starting), (2.0, LAST_1, training),
+                             (LAST_1, BACK, down), (BACK, END, training)]
+    assert by_replica[2] == [(0.5, 2.0, starting), (2.0, LAST_2, training),
+                             (LAST_2, BACK_2, down), (BACK_2, END, training)]
     assert by_replica[0][-1] == (pytest.approx(100.2), END, tl.BandState.FINISHED)
     assert sorted((m.replica_id, m.time, m.kind.value) for m in timeline.marks) == [
-        (1, PROMOTED, "promoted"), (2, RETRY, "code version"), (2, RETRY, "relaunched")]
+        (1, FAULT, "failed"), (1, PROMOTED, "promoted"),
+        (2, CRASH, "failed"), (2, RETRY, "code version"), (2, RETRY, "relaunched")]
     assert timeline.steps[1][-1] == (100.0, 100)
+
+
+def test_the_exit_of_a_step_on_a_failed_node_is_not_a_second_failure(run_dir: Path) -> None:
+    with (run_dir / "controller.jsonl").open("a") as log:   # replica 1's old step, cancelled
+        log.write('{"event": "ReplicaExited", "replica_id": 1, "exit_code": 137, '
+                  f'"time": {1000.0 + FAULT + 0.2}}}\n')
+    failed = [m for m in tl.read_timeline(run_dir).marks if m.kind is tl.MarkKind.FAILED]
+    assert [(m.replica_id, m.time) for m in failed] == [(1, FAULT), (2, CRASH)]
+
+
+def test_the_metric_line_is_broken_while_a_replica_is_down(run_dir: Path) -> None:
+    xs, ys = tl.metric_series(tl.read_timeline(run_dir), 1)
+    gaps = [i for i, y in enumerate(ys) if math.isnan(y)]
+    assert len(gaps) == 1 and xs[gaps[0]] == LAST_1
+    assert xs[gaps[0] - 1] == LAST_1 and xs[gaps[0] + 1] == BACK   # last before, first after
+    assert not [x for x in xs if LAST_1 < x < BACK]
+
+
+def pixel(image: np.ndarray, axes: object, x: float, y: float) -> tuple[float, ...]:
+    """The RGB of the file's pixel at data point (x, y) of ``axes``."""
+    px, py = axes.transData.transform((x, y))    # type: ignore[attr-defined]
+    return tuple(image[image.shape[0] - 1 - round(py), round(px), :3])
+
+
+def same_colour(found: tuple[float, ...], hex_colour: str) -> bool:
+    return bool(np.allclose(found, to_rgb(hex_colour), atol=2 / 255))
 
 
 def test_png_shows_replica_1_down_while_replica_0_trains(run_dir: Path, tmp_path: Path
                                                          ) -> None:
-    out = tl.render_timeline(run_dir, tmp_path / "timeline.png")
-    pixels = read_png(out)
-    where = tl.layout(tl.read_timeline(run_dir))
-    assert pixels.shape == (where.height, 900, 3) and where.height > 400
-
-    def band(replica_id: int, at: float) -> tuple[int, ...]:
-        row = where.band_top[replica_id] + tl.BAND // 2
-        return tuple(int(v) for v in pixels[row, round(where.bands.px(at))])
-
+    figure = plots.draw_timeline(tl.read_timeline(run_dir), tmp_path / "timeline.png")
+    image = imread(tmp_path / "timeline.png")
+    width, height = (figure.get_size_inches() * figure.dpi).round().astype(int)
+    assert image.shape[:2] == (height, width) and width >= 900 and height > 400
+    bands, metric = figure.axes
     training = tl.STATE_COLOURS[tl.BandState.TRAINING]
     down = tl.STATE_COLOURS[tl.BandState.DOWN]
-    assert band(1, 60.0) == down and band(0, 60.0) == training
-    assert band(1, 20.0) == training and band(2, 52.0) == down
-    assert band(0, 100.4) == tl.STATE_COLOURS[tl.BandState.FINISHED]
-    # independent of the layout's rows: top to bottom, the column at t = 60 crosses
+    assert same_colour(pixel(image, bands, 60.0, 1), down)
+    assert same_colour(pixel(image, bands, 60.0, 0), training)
+    assert same_colour(pixel(image, bands, 20.0, 1), training)
+    assert same_colour(pixel(image, bands, 52.0, 2), down)
+    assert same_colour(pixel(image, bands, 70.0, 2), training)
+    # independent of where the rows are: top to bottom, the column at t = 60 crosses
     # replica 0 (training), replica 1 (down), replica 2 (training)
-    column = pixels[:where.bands.bottom, round(where.bands.px(60.0))]
-    runs = [tuple(int(v) for v in c) for c in column
-            if tuple(int(v) for v in c) in (training, down)]
-    changes = [c for i, c in enumerate(runs) if i == 0 or c != runs[i - 1]]
-    assert changes == [training, down, training]
-    # the promotion mark sits above replica 1's band
-    x = round(where.bands.px(PROMOTED))
-    above = pixels[where.band_top[1] - tl.MARK_ROOM:where.band_top[1], x - 2:x + 3]
-    assert (above == tl.MARK_COLOURS[tl.MarkKind.PROMOTED]).all(axis=2).any()
-    # the step panel draws each replica's series
-    steps = pixels[where.steps.top:where.steps.bottom]
-    assert all((steps == colour).all(axis=2).sum() > 50 for colour in COLOURS[:3])
-    # replica 1's step line (second colour) is broken while it was down, not joined over
-
-    def drawn(at: float) -> bool:
-        x = round(where.steps.px(at))
-        return bool((steps[:, x - 1:x + 2] == COLOURS[1]).all(axis=2).any())
-
-    assert drawn(90.0) and not drawn(60.0)
-
-
-def test_an_event_type_this_version_does_not_know_is_skipped(run_dir: Path) -> None:
-    with (run_dir / "controller.jsonl").open("a") as log:
-        log.write('{"event": "SomethingNewer", "time": 1010.0, "replica_id": 1}\n')
-    assert len(tl.read_timeline(run_dir).marks) == 3     # the rest of the log still counts
+    column_x = round(bands.transData.transform((60.0, 0))[0])
+    panel = bands.get_window_extent()
+    colours = [next((c for c in (training, down) if same_colour(tuple(p[:3]), c)), None)
+               for p in image[height - round(panel.y1):height - round(panel.y0), column_x]]
+    runs = [c for i, c in enumerate(colours) if c and (i == 0 or c != colours[i - 1])]
+    assert runs == [training, down, training]
+    # the promotion mark sits just above replica 1's band
+    assert same_colour(pixel(image, bands, PROMOTED, 1 - plots.MARK_LIFT),
+                       tl.MARK_COLOURS[tl.MarkKind.PROMOTED])
+    # the metric panel draws a line per replica, in the order of the palette
+    box = metric.get_window_extent()
+    inside = image[height - round(box.y1):height - round(box.y0), round(box.x0):round(box.x1)]
+    for colour in plots.REPLICA_COLOURS[:3]:
+        assert np.isclose(inside[..., :3], to_rgb(colour), atol=2 / 255).all(axis=2).sum() > 50
 
 
 def test_without_run_started_time_counts_from_the_first_event(tmp_path: Path) -> None:
@@ -138,14 +119,20 @@ def test_without_run_started_time_counts_from_the_first_event(tmp_path: Path) ->
     assert timeline.duration == 2.0 and timeline.steps[0][0] == (0.0, 0)
     assert [(s.start, s.end, s.state) for s in timeline.segments] == [
         (0.0, 2.0, tl.BandState.TRAINING)]
-    assert read_png(tl.render_timeline(tmp_path, tmp_path / "t.png")).shape[1] == 900
+    out = plots.render_timeline(tmp_path, tmp_path / "t.png")
+    assert imread(out).shape[1] == 1000
+
+
+def test_an_event_type_this_version_does_not_know_is_skipped(run_dir: Path) -> None:
+    with (run_dir / "controller.jsonl").open("a") as log:
+        log.write('{"event": "SomethingNewer", "time": 1010.0, "replica_id": 1}\n')
+    assert len(tl.read_timeline(run_dir).marks) == 5     # the rest of the log still counts
 
 
 def test_a_directory_without_events_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="nothing to plot"):
-        tl.render_timeline(tmp_path, tmp_path / "t.png")
+        plots.render_timeline(tmp_path, tmp_path / "t.png")
     assert not (tmp_path / "t.png").exists()
-
 
 
 def test_commits_that_carry_the_loss_are_plotted_as_loss(tmp_path: Path) -> None:
@@ -155,4 +142,9 @@ def test_commits_that_carry_the_loss_are_plotted_as_loss(tmp_path: Path) -> None
     timeline = tl.read_timeline(tmp_path)
     assert timeline.metric == "loss"
     assert [value for _, value in timeline.steps[0]] == [3.0, 2.5, 2.0]
-    assert read_png(tl.render_timeline(tmp_path, tmp_path / "t.png")).shape[1] == 900
+    figure = plots.draw_timeline(timeline, tmp_path / "t.png")
+    raw, smooth = figure.axes[1].get_lines()[:2]     # raw values faint, the average on top
+    raw_ys, smooth_ys = (np.asarray(line.get_ydata(), dtype=float) for line in (raw, smooth))
+    assert list(raw_ys) == [3.0, 2.5, 2.0] and (raw.get_alpha() or 1.0) < 0.5
+    assert smooth_ys[0] == 3.0 and 2.0 < smooth_ys[-1] < 2.5
+    assert figure.axes[1].get_ylabel() == "loss"

@@ -10,6 +10,7 @@ import pytest
 from ftcore.errors import UsageError
 from ftcore.events import EventLog, read_events
 from launcher import versions as vs
+from launcher.run_state import ReplicaState, RunState
 
 T0 = 1000.0
 DIGEST_A = "a" * 64
@@ -25,7 +26,7 @@ def request(number=1, command=("python", "train_v2.py"), digest=DIGEST_B, urgent
 
 def running(replicas=3):
     """Every replica launched on version 1 and committing steps."""
-    state = vs.VersionState.initial(("python", "train.py"), DIGEST_A, range(replicas), T0)
+    state = RunState.initial(("python", "train.py"), DIGEST_A, range(replicas), T0)
     for r in range(replicas):
         state, _ = vs.decide_version(state, vs.ReplicaLaunching(r), T0)
         state, _ = vs.decide_version(state, vs.ReplicaProgressed(r), T0)
@@ -53,13 +54,13 @@ def relaunch(state, replica_id, now=T0 + 1):
 
 
 def test_first_launch_records_version_1_for_each_replica():
-    state = vs.VersionState.initial(("python", "train.py"), DIGEST_A, range(2), T0)
+    state = RunState.initial(("python", "train.py"), DIGEST_A, range(2), T0)
     state, actions = step(state, vs.ReplicaLaunching(1))
     assert actions[0] == vs.CodeVersionApplied(replica_id=1, version=1,
                                                command=["python", "train.py"],
                                                digest=DIGEST_A, time=T0 + 1)
     assert actions[1] == vs.RunVersion(1, state.version(1))
-    assert state.replica(1).status is vs.ReplicaStatus.STARTING and state.replica(1).version == 1
+    assert state.replica(1).state is ReplicaState.STARTING and state.replica(1).version == 1
     # a relaunch on the same version runs it again without a new record
     _, actions = step(state, vs.ReplicaLaunching(1))
     assert actions == [vs.RunVersion(1, state.version(1))]
@@ -125,7 +126,7 @@ def test_rollout_waits_while_another_replica_is_down_for_a_fault():
 def test_late_commit_of_a_failed_replica_does_not_count_it_as_up():
     state, _ = step(running(2), vs.ReplicaFailed(1))
     state, _ = step(state, vs.ReplicaProgressed(1))      # read after the exit, same poll
-    assert state.replica(1).status is vs.ReplicaStatus.DOWN
+    assert state.replica(1).state is ReplicaState.DOWN
     _, actions = step(state, vs.UpdateRequested(request(urgent=True)))
     assert restarts(actions) == []
 
@@ -228,9 +229,9 @@ def test_progress_resets_the_failure_count():
     state, _ = step(state, vs.ReplicaFailed(0), T0 + 1)
     state, _, _ = relaunch(state, 0, T0 + 2)
     state, _ = step(state, vs.ReplicaFailed(0), T0 + 3)
-    assert state.replica(0).failures == 1
+    assert state.replica(0).failures_on_version == 1
     state, _, _ = relaunch(state, 0, T0 + 4)
-    assert state.replica(0).failures == 0
+    assert state.replica(0).failures_on_version == 0
     state, actions = step(state, vs.ReplicaFailed(0), T0 + 5)
     assert actions == [] and state.current == 2 and state.bad == ()
 

@@ -230,3 +230,27 @@ def test_two_replica_job_waits_for_its_lost_half_then_goes_on(tmp_path):
         job.stop_everything()
     assert "majority needs 2" in job.log(0)
     assert [e.step for e in job.committed(0)] == list(range(60))  # waited; nothing skipped
+
+
+def test_a_restarted_job_resumes_every_rank_from_the_newest_persistent_step(tmp_path):
+    """Every replica stopped (a requeue): the next incarnation's ranks agree on the
+    newest step the persistent tier holds for all of them, resume after it, and train
+    on to identical states."""
+    first = loopback_job(tmp_path, replicas=2, steps=25, ranks=2, FTL_CKPT_PERSIST_EVERY="10")
+    first.start_all()
+    try:
+        finish_and_check(first, 25)
+    finally:
+        first.stop_everything()
+    second = loopback_job(tmp_path, replicas=2, steps=35, ranks=2, FTL_CKPT_PERSIST_EVERY="10")
+    started = {(r, k): len(second.events(r, k)) for r in range(2) for k in range(2)}
+    second.start_all()
+    try:
+        codes = second.wait_all(patience(180))
+        assert codes == {0: 0, 1: 0}, {r: second.log(r)[-3000:] for r in codes}
+    finally:
+        second.stop_everything()
+    resumed = {e.next_step for (r, k), before in started.items()
+               for e in second.events(r, k)[before:] if type(e).__name__ == "WorkerStarted"}
+    assert resumed == {21}           # step 20 is the newest persisted: 0, 10, 20
+    assert_ranks_agree(tmp_path, replicas=2, ranks=2)

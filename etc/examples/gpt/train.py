@@ -150,7 +150,7 @@ def main() -> int:
                          plan.kind.value, (plan.step + 1) / max(elapsed, 1e-9))
         final = {"replica_id": me.replica_id, "rank": me.rank, "step": manager.next_step - 1,
                  "loss": loss_value, "state_sha256": state_hash(model, optimizer.optimizer),
-                 "positions": manager.ledger.positions, "code_tag": args.code_tag}
+                 "positions": manager.positions, "code_tag": args.code_tag}
         out = me.run_dir / "final" / f"replica-{me.replica_id}-rank-{me.rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(final))

@@ -15,7 +15,7 @@ parser.add_argument("--wait-for", type=Path)
 parser.add_argument("--timeout", type=float, default=120)
 args = parser.parse_args()
 
-replica = os.environ.get("FTLAUNCH_REPLICA_ID", "?")
+replica = os.environ.get("FTL_WORKER_REPLICA_ID", "?")
 rank = os.environ.get("SLURM_PROCID", "0")
 record = {"replica": replica, "rank": rank, "host": socket.gethostname(),
           "job": os.environ.get("SLURM_JOB_ID"), "step": os.environ.get("SLURM_STEP_ID"),

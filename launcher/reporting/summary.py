@@ -1,4 +1,4 @@
-"""What a run did, read back from its directory: the status view and the summary."""
+"""What a run did, in numbers: failures, promotions, stalls, downtime and ETTR."""
 
 from __future__ import annotations
 
@@ -9,31 +9,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ftcore.events import Event, NodeDrained, read_events
-from launcher.worker import events as worker_events
+from ftcore.events import NodeDrained
 
-from . import events as controller_events
-from . import versions  # noqa: F401  (registers the code-version events it logs)
-
-
-def _events(path: Path) -> list[Event]:
-    try:
-        return list(read_events(path))
-    except (FileNotFoundError, ValueError):
-        return []
-
-
-def controller_log(run_dir: Path) -> list[Event]:
-    return _events(run_dir / "controller.jsonl")
-
-
-def commits(run_dir: Path) -> dict[int, list[worker_events.StepCommitted]]:
-    found: dict[int, list[worker_events.StepCommitted]] = {}
-    for path in sorted((run_dir / "events").glob("replica-*-rank-0.jsonl")):
-        replica_id = int(path.name.split("-")[1])
-        found[replica_id] = [e for e in _events(path)
-                             if isinstance(e, worker_events.StepCommitted)]
-    return found
+from .. import events as controller_events
+from .runlog import commits, controller_log
 
 
 @dataclass(frozen=True)
@@ -84,30 +63,3 @@ def summarize(run_dir: Path) -> Summary:
 
 def _pairs(values: list[float]) -> Iterable[tuple[float, float]]:
     return itertools.pairwise(values)
-
-
-def status_text(run_dir: Path, recent: int = 8) -> str:
-    control = controller_log(run_dir)
-    by_replica = commits(run_dir)
-    launches: dict[int, controller_events.ReplicaLaunched] = {}
-    for event in control:
-        if isinstance(event, controller_events.ReplicaLaunched):
-            launches[event.replica_id] = event
-    lines = [f"run {run_dir}"]
-    lines.append("  replica  nodes        how        last step  contributors")
-    for replica_id in sorted(set(launches) | set(by_replica)):
-        launch = launches.get(replica_id)
-        last = by_replica.get(replica_id, [])
-        lines.append(f"  {replica_id:<7d}  {','.join(launch.nodes) if launch else '?':<11s}  "
-                     f"{launch.how if launch else '?':<9s}  "
-                     f"{last[-1].step if last else '-':>9}  "
-                     f"{last[-1].contributors if last else '-':>12}")
-    ready = sorted(p.stem for p in (run_dir / "standby").glob("*.ready"))
-    used = sorted(p.stem for p in (run_dir / "standby").glob("*.activate"))
-    lines.append(f"  standby warm: {', '.join(n for n in ready if n not in used) or '-'}"
-                 f"   promoted: {', '.join(used) or '-'}")
-    lines.append("recent events:")
-    for event in control[-recent:]:
-        fields = {k: v for k, v in asdict(event).items() if k != "time"}
-        lines.append(f"  {type(event).__name__} {fields}")
-    return "\n".join(lines) + "\n"

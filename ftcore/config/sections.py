@@ -1,0 +1,206 @@
+"""The sections of the job's run: one per stage of the data flow, and the whole tree.
+
+The node health sections (``[health]``, ``[checks.NAME]``, ``[profiles.NAME]``)
+are in ``ftcore.config.health``."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+
+from ..slurm.hostlist import MAX_HOSTS
+from .fields import GiB, MiB, _count, _seconds, _Section
+from .health import HealthConfig, Tables
+
+
+class LrScaling(enum.Enum):
+    """How the learning rate follows the share of healthy replicas."""
+
+    NONE = "none"
+    LINEAR = "linear"
+    SQRT = "sqrt"
+
+
+class StandbyMode(enum.Enum):
+    """Where warm standby nodes are held."""
+
+    IN_ALLOCATION = "in_allocation"   # spare nodes of the job itself
+    RESERVATION = "reservation"       # a standby job inside a site reservation
+
+
+class BatchHostRole(enum.Enum):
+    """What the node running the batch script (and with it the controller and every
+    srun client) does. Losing it loses them all, so by default it trains nothing."""
+
+    STANDBY = "standby"               # a standby node, promoted only when no other is left
+    EXCLUDED = "excluded"             # neither replica nor standby
+    REPLICA = "replica"               # trains like any node (losing it ends the run)
+
+
+class PromotionPath(enum.Enum):
+    """How a standby node held in a reservation becomes a replica (reservation mode)."""
+
+    AUTO = "auto"                     # expansion where the site permits it, else standby_job
+    EXPANSION = "expansion"           # move the node into the main job (permit_job_expansion)
+    STANDBY_JOB = "standby_job"       # run the replica as a step of the standby job (warm)
+
+
+@dataclass(frozen=True)
+class JobConfig(_Section):
+    """How the allocation is split into replicas and standby nodes."""
+
+    replicas: int = _count(2, 1, MAX_HOSTS)
+    nodes_per_replica: int = _count(1, 1, MAX_HOSTS)
+    tasks_per_node: int = _count(1, 1, 1024)
+    standby: int = _count(0, 0, MAX_HOSTS)
+    standby_mode: StandbyMode = StandbyMode.IN_ALLOCATION
+    reservation: str = ""
+    promote_by: PromotionPath = PromotionPath.AUTO
+    batch_host: BatchHostRole = BatchHostRole.STANDBY
+
+    def rules(self) -> Iterable[tuple[str, str]]:
+        if self.replicas * self.nodes_per_replica + self.standby > MAX_HOSTS:
+            yield "replicas", (f"replicas x nodes_per_replica + standby must be at most "
+                               f"{MAX_HOSTS} nodes (the hostlist limit)")
+        if self.standby_mode is StandbyMode.RESERVATION and not self.reservation:
+            yield "reservation", "must name a reservation when standby_mode = 'reservation'"
+
+
+@dataclass(frozen=True)
+class QuorumConfig(_Section):
+    """The leader-elected membership service among replica leaders."""
+
+    port: int = _count(0, 0, 65535)                  # 0: any free port
+    min_replicas: int = _count(1, 1, MAX_HOSTS)
+    join_timeout: float = _seconds(2.0)
+    heartbeat_interval: float = _seconds(0.2)
+    election_timeout: float = _seconds(1.0)
+    member_timeout: float = _seconds(3.0)
+    max_message_age: float = _seconds(30.0)  # replay window; node clock skew must stay below it
+    election_slot: float = _seconds(0.02, zero_ok=True)  # per-voter stretch of the spread
+    peer_dir: str = ""               # shared directory of agent addresses ("": run dir)
+
+    def rules(self) -> Iterable[tuple[str, str]]:
+        if self.election_timeout <= self.heartbeat_interval:
+            yield "election_timeout", "must be longer than heartbeat_interval"
+
+
+@dataclass(frozen=True)
+class FtarConfig(_Section):
+    """Fault-tolerant ring all-reduce across replicas.
+
+    The handshake carries ``sockets_per_peer`` in 16 bits and ``chunks_in_flight``
+    in 32 (``ftar/transport.py``); the limits here are far inside both and keep
+    the preallocated buffers (``chunks_in_flight`` x ``chunk_bytes`` a link) sane."""
+
+    chunk_bytes: int = _count(16 * MiB, 4096, 1 * GiB)
+    chunks_in_flight: int = _count(2, 1, 1024)
+    sockets_per_peer: int = _count(1, 1, 64)     # one sender thread each
+    timeout: float = _seconds(30.0)
+    connect_timeout: float = _seconds(10.0)
+    #: receive-then-add piece inside a chunk (cache sized)
+    reduce_bytes: int = _count(2 * MiB, 4096, 1 * GiB)
+    #: small segments still pipelined in chunks this big
+    min_chunk_bytes: int = _count(1 * MiB, 0, 1 * GiB)
+    #: SO_SNDBUF/SO_RCVBUF (a C int); 0: kernel autotuning (best here)
+    socket_buffer_bytes: int = _count(0, 0, 1 * GiB)
+
+
+@dataclass(frozen=True)
+class CkptConfig(_Section):
+    """In-memory snapshots, peer backup, state serving, persistent tier."""
+
+    dir: str = "ftl-ckpt"
+    persist_every: int = _count(100, 1, 10**9)     # steps between persistent checkpoints
+    keep: int = _count(2, 1, 1000)                 # persistent checkpoints kept
+    peer_backup: bool = True
+    fetch_timeout: float = _seconds(60.0)
+    local_dir: str = ""                  # node-local disk tier ("": off)
+    backup_every: int = _count(1, 1, 10**9)        # steps between backup pushes to the peer
+    fetch_streams: int = _count(2, 1, 64)          # connections per catch-up fetch
+    serve_port: int = _count(0, 0, 65535)          # state server port (0: any free port)
+    durable: bool = True                 # fsync shards and loader state
+    snapshot_nice: int = _count(19, -20, 19)       # priority of the snapshot thread
+    check_finite: bool = True            # restore rejects copies holding NaN/Inf
+
+    def rules(self) -> Iterable[tuple[str, str]]:
+        if not self.dir:
+            yield "dir", "must name a directory"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig(_Section):
+    """The per-step protocol inside each worker."""
+
+    lr_scaling: LrScaling = LrScaling.SQRT
+    max_consecutive_failures: int = _count(5, 1, 10**6)
+    #: An all-reduce stops waiting for a replica the quorum reports lost (its
+    #: heartbeats stopped for quorum.member_timeout); off: only ftar.timeout ends it.
+    drop_lost_members: bool = True
+    #: A worker that hears no controller heartbeat this long (its node is gone) saves
+    #: the newest state to the persistent tier and requeues the job (or ends it).
+    controller_timeout: float = _seconds(20.0)
+    #: Reduce gradients across replicas during backward (FSDP2's all-reduce hook, DDP's
+    #: comm hook); off: all of them after backward.
+    overlap_backward: bool = True
+
+
+@dataclass(frozen=True)
+class RecoveryConfig(_Section):
+    """The launcher's recovery controller."""
+
+    lost_timeout: float = _seconds(10.0)    # a running replica without a commit this long is lost
+    start_timeout: float = _seconds(300.0)  # a (re)started replica gets this long to commit
+    retries_in_place: int = _count(1, 0, 1000)  # unexplained crashes retried on the same nodes
+    finish_grace: float = _seconds(60.0)    # after one replica finished, the others get this long
+    poll_interval: float = _seconds(0.2)
+
+
+@dataclass(frozen=True)
+class SlurmConfig(_Section):
+    """How Slurm commands are run."""
+
+    srun_extra_args: tuple[str, ...] = ()
+    command_timeout: float = _seconds(30.0)
+
+
+@dataclass(frozen=True)
+class RunConfig(_Section):
+    """Where a run writes its logs, events and resolved config."""
+
+    log_dir: str = "ftl-logs"
+
+    def rules(self) -> Iterable[tuple[str, str]]:
+        if not self.log_dir:
+            yield "log_dir", "must name a directory"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration; one section per stage of the data flow, and the
+    node health sections the Slurm hooks read too (``ftcore.config.health``)."""
+
+    job: JobConfig = field(default_factory=JobConfig)
+    quorum: QuorumConfig = field(default_factory=QuorumConfig)
+    ftar: FtarConfig = field(default_factory=FtarConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    #: ``[checks.NAME]``: parameters of one health check (``health.catalog``).
+    checks: Tables = field(default_factory=Tables)
+    #: ``[profiles.NAME]``: checks = [...], budget = seconds, warn_only = [...].
+    profiles: Tables = field(default_factory=Tables)
+
+
+#: The sections of ``key = value`` fields, by name.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)  # type: ignore[misc]
+                             if f.default_factory is not Tables}
+#: The sections of named tables (``[checks.disk]``), whose keys the loader cannot
+#: know: it checks that each holds plain config values; ``health.settings`` checks
+#: the names and keys against the check catalog, naming the file each came from.
+TABLE_SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(Config)
+                                        if f.default_factory is Tables)

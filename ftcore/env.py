@@ -1,0 +1,27 @@
+"""The environment variables of ft-launch: one namespace, ``FTL_``.
+
+* ``FTL_<SECTION>_<KEY>``: a config value (``ftcore.config``), ``FTL_CONFIG`` the file;
+* ``FTL_WORKER_<NAME>``: what ft-launch tells a process it starts about itself (its
+  job, replica, rank, run directory, secret, ...). Set by ft-launch, not config: the
+  config loader leaves them alone.
+"""
+
+from __future__ import annotations
+
+ENV_PREFIX = "FTL_"
+ENV_CONFIG = "FTL_CONFIG"
+WORKER_PREFIX = "FTL_WORKER_"
+
+ENV_JOB_ID = WORKER_PREFIX + "JOB_ID"
+ENV_REPLICA_ID = WORKER_PREFIX + "REPLICA_ID"
+ENV_NUM_REPLICAS = WORKER_PREFIX + "NUM_REPLICAS"
+ENV_RUN_DIR = WORKER_PREFIX + "RUN_DIR"
+ENV_SECRET = WORKER_PREFIX + "SECRET"
+ENV_HOST = WORKER_PREFIX + "HOST"
+ENV_RANK = WORKER_PREFIX + "RANK"                  # this task's rank in its replica
+ENV_RANKS = WORKER_PREFIX + "RANKS"
+ENV_INCARNATION = WORKER_PREFIX + "INCARNATION"    # tells apart relaunches of a replica
+ENV_HEARTBEAT = WORKER_PREFIX + "HEARTBEAT"        # the controller's heartbeat file
+ENV_INJECT = WORKER_PREFIX + "INJECT"              # faults to inject (drills, tests)
+ENV_REPLAY_GROUP = WORKER_PREFIX + "REPLAY_GROUP"  # a replay job's group (row2, col0)
+ENV_REPLAY_NODES = WORKER_PREFIX + "REPLAY_NODES"  # and its nodes, comma-separated

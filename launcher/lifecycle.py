@@ -1,0 +1,428 @@
+"""The controller's one decision (pure): ``decide(state, event, now) -> Decision``.
+
+Everything ``ft-launch run`` observes arrives as one event; ``decide`` returns the
+new state, the actions to carry out in order (each saying why) and the reason of
+the decision as a whole. The shell (``supervisor``) only observes (srun exits, event
+files, ``scontrol``, inspection) and executes; it decides nothing.
+
+    event --> observation rules here (exit codes, stalls, node reports, finish)
+          --> fault / update facts --> versions table (rollback, rollout)
+                                   --> recovery table (retry, evict, promote, restart)
+          --> every launch stamped with the code version it runs
+
+Time comes in as ``Now``: ``elapsed`` (monotonic: timeouts, unaffected by clock
+steps) and ``wall`` (seconds since the epoch: update windows and records).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from ftcore.config import RecoveryConfig
+from ftcore.errors import ExitCode
+from ftcore.events import Event as Record
+
+from . import recovery as rc
+from . import versions as cv
+from .events import NodeFaultDetected
+from .run_state import ReplicaProgressed, ReplicaState, RunState
+
+
+@dataclass(frozen=True)
+class Now:
+    elapsed: float      # monotonic seconds
+    wall: float         # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class Policy:
+    recovery: rc.Policy = field(default_factory=rc.Policy)
+    versions: cv.VersionPolicy = field(default_factory=cv.VersionPolicy)
+    lost_timeout: float = 10.0      # a running replica without a commit this long is lost
+    start_timeout: float = 300.0    # a relaunched replica gets this long to commit
+    finish_grace: float = 60.0      # after one replica finished, the others get this long
+
+    @classmethod
+    def from_config(cls, config: RecoveryConfig) -> Policy:
+        return cls(recovery=rc.Policy(retries_in_place=config.retries_in_place),
+                   lost_timeout=config.lost_timeout, start_timeout=config.start_timeout,
+                   finish_grace=config.finish_grace)
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What the controller last heard of a replica's step (``Now.elapsed`` times)."""
+
+    live: bool = False                      # a step of it runs and is watched
+    launched_at: float = 0.0
+    last_time: float = 0.0                  # last commit or (re)launch
+    last_commit: float | None = None
+    previous_commit: float | None = None    # the commit before, when it was recent too
+    #: (re)launched: commits count again only after the new process says it started
+    #: (lines the cancelled one wrote may still be unread)
+    awaiting_start: bool = False
+    moving_since: float | None = None       # first commit of the current unbroken run
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    run: RunState
+    watch: tuple[Watch, ...]                # by replica id
+    policy: Policy = field(default_factory=Policy)
+    finished_at: float | None = None        # when the first replica finished
+
+    @classmethod
+    def initial(cls, run: RunState, policy: Policy | None = None) -> ControllerState:
+        return cls(run, tuple(Watch() for _ in run.replicas), policy or Policy())
+
+    def with_watch(self, replica_id: int, watch: Watch) -> ControllerState:
+        watches = list(self.watch)
+        watches[replica_id] = watch
+        return replace(self, watch=tuple(watches))
+
+
+def nodes_to_check(state: ControllerState) -> tuple[str, ...]:
+    """The nodes whose Slurm state matters now: live replicas' and the standby pool."""
+    return tuple(sorted(_watched_nodes(state)))
+
+
+def _watched_nodes(state: ControllerState) -> dict[str, int | None]:
+    watched: dict[str, int | None] = {n: r.replica_id for r in state.run.replicas
+                                      if state.watch[r.replica_id].live for n in r.nodes}
+    watched.update({n: None for n in state.run.standby})
+    return watched
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    """Launch every replica where the plan put it."""
+
+
+@dataclass(frozen=True)
+class ProcessStarted:
+    """A replica's (new) process said it started (``WorkerStarted`` in its event file)."""
+
+    replica_id: int
+
+
+@dataclass(frozen=True)
+class StepsCommitted:
+    """``count`` commits read at once from a replica's event file."""
+
+    replica_id: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class StepExited:
+    """A replica's srun exited. ``failing_nodes``: its nodes Slurm reports unusable (node,
+    why); ``gate_reason``: what the health gate wrote down, if it did."""
+
+    replica_id: int
+    exit_code: int
+    failing_nodes: tuple[tuple[str, str], ...] = ()
+    gate_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class StandbyAgentExited:
+    node: str
+    exit_code: int
+
+
+@dataclass(frozen=True)
+class NodesReported:
+    """Slurm's answer for ``nodes_to_check``: the unusable ones, with why."""
+
+    unhealthy: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class InspectionAlarmed:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed: stalls, forced update windows, the finish grace."""
+
+
+Event = (RunStarted | ProcessStarted | StepsCommitted | StepExited | StandbyAgentExited
+         | NodesReported | InspectionAlarmed | cv.UpdateRequested | rc.StandbyAdded | Tick)
+
+
+# --------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class StartReplica:
+    """The first launch of a replica, on the plan's nodes."""
+
+    replica_id: int
+    nodes: tuple[str, ...]
+    reason: str = field(default="", compare=False)
+    command: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class FinishRun:
+    reason: str
+
+
+#: What the shell carries out; each says why.
+Order = rc.Action | StartReplica | FinishRun
+#: Records (``ftcore.events.Event``) are in the list too: the shell writes them to its log.
+Action = Order | Record
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: ControllerState
+    actions: list[Action]
+    reason: str
+
+
+# --------------------------------------------------------------------------- decide
+
+
+def decide(state: ControllerState, event: Event, now: Now) -> Decision:
+    if isinstance(event, RunStarted):
+        starts: list[Action] = [StartReplica(r.replica_id, r.nodes, "the run starts")
+                                for r in state.run.replicas]
+        return _finish(state, starts, now, "the run starts: every replica launched")
+    if isinstance(event, ProcessStarted):
+        watch = replace(state.watch[event.replica_id], awaiting_start=False)
+        return Decision(state.with_watch(event.replica_id, watch), [],
+                        f"replica {event.replica_id}'s process started")
+    if isinstance(event, StepsCommitted):
+        return _committed(state, event, now)
+    if isinstance(event, StepExited):
+        return _exited(state, event, now)
+    if isinstance(event, StandbyAgentExited):
+        faults = [rc.NodeFaulted(None, event.node, f"standby agent exited with "
+                                                   f"{event.exit_code}")] \
+            if event.node in state.run.standby else []
+        return _faults(state, faults, now, f"standby agent on {event.node} exited")
+    if isinstance(event, NodesReported):
+        watched = _watched_nodes(state)
+        faults = [rc.NodeFaulted(watched[node], node, reason)
+                  for node, reason in event.unhealthy if node in watched]
+        return _faults(state, faults, now, "Slurm reports node states")
+    if isinstance(event, InspectionAlarmed):
+        faults = [] if event.node in state.run.evicted else [
+            rc.NodeFaulted(None, event.node, event.reason)]
+        return _faults(state, faults, now, f"inspection alarm on {event.node}")
+    if isinstance(event, cv.UpdateRequested):
+        run, versioned = cv.decide_version(state.run, event, now.wall, state.policy.versions)
+        run, actions = _restarts(run, versioned, state.policy)
+        return _finish(replace(state, run=run), actions, now,
+                       f"update request {event.request.number}")
+    if isinstance(event, rc.StandbyAdded):
+        # Only the pool changes: nothing to launch, roll or finish (the shell hears of a
+        # new standby while it carries out a promotion).
+        run, added = rc.decide(state.run, event, state.policy.recovery)
+        return Decision(replace(state, run=run), list(added), f"standby {event.node} added")
+    return _ticked(state, now)
+
+
+def _committed(state: ControllerState, event: StepsCommitted, now: Now) -> Decision:
+    rid = event.replica_id
+    watch = state.watch[rid]
+    if watch.awaiting_start:
+        # Read before an action relaunched it: the cancelled process's lines.
+        return Decision(state, [], f"stale commits of replica {rid} ignored")
+    t = now.elapsed
+    # (several commits read at once: the one before was just now too)
+    previous = t if event.count > 1 else watch.last_commit
+    continuing = (watch.last_commit is not None and watch.moving_since is not None
+                  and t - watch.last_commit <= state.policy.lost_timeout / 2)
+    watch = replace(watch, last_time=t, last_commit=t, previous_commit=previous,
+                    moving_since=watch.moving_since if continuing else t)
+    state = state.with_watch(rid, watch)
+    # Any new commit is progress: after a full restart, steps repeat from the
+    # checkpoint's, below the highest ever seen.
+    state = replace(state, run=rc.decide(state.run, ReplicaProgressed(rid))[0])
+    return _finish(state, [], now, f"replica {rid} committed {event.count} step(s)")
+
+
+def _exited(state: ControllerState, event: StepExited, now: Now) -> Decision:
+    rid = event.replica_id
+    state = state.with_watch(rid, replace(state.watch[rid], live=False))
+    nodes = state.run.replica(rid).nodes
+    why = f"replica {rid} exited with {event.exit_code}"
+    if event.exit_code == 0:
+        # srun of a --no-kill job also ends with 0 when its node fails: finished only if
+        # Slurm still has the nodes healthy.
+        failing = [rc.NodeFaulted(rid, node, f"step ended with its node failing ({reason})")
+                   for node, reason in event.failing_nodes if node in nodes]
+        if failing:
+            return _faults(state, failing, now, why)
+        run, _ = rc.decide(state.run, rc.ReplicaFinished(rid))
+        return _finish(replace(state, run=run), [], now, f"replica {rid} finished")
+    if event.exit_code == ExitCode.NODE_UNHEALTHY and nodes:
+        reason = event.gate_reason or "health gate failed (its reason is in the replica's log)"
+        return _faults(state, [rc.NodeFaulted(rid, nodes[0], reason)], now, why)
+    return _failure(state, rc.ReplicaCrashed(rid, event.exit_code), [], now, why)
+
+
+def _ticked(state: ControllerState, now: Now) -> Decision:
+    return _faults(state, _stalls(state, now.elapsed), now, "time passed")
+
+
+def _stalls(state: ControllerState, t: float) -> list[rc.NodeFaulted]:
+    """A replica that stopped committing while another went on: its node is suspect.
+    Only commits count as going on: a replica just (re)launched is not progress, and
+    survivors of a lost majority are stalled by the quorum, not by their nodes.
+
+    "Going on" means committing steadily: the last commit within half the window and
+    the one before within the window, from a replica not (re)launched within it. When
+    a peer dies the survivors all stall on FTAR / quorum timeouts and resume a few ms
+    apart; the first to resume is not yet "steady" if the stall was longer than the
+    window, and if it was shorter the others are not over the limit. A restarted
+    replica's catch-up commit does not count either. And it must have gone on for a
+    whole window: after a lost majority re-forms, the survivors resume one quorum round
+    apart, and the later ones get the same window to show progress as a replica that
+    stalled alone."""
+    window = state.policy.lost_timeout
+    steady = [rid for rid, w in enumerate(state.watch)
+              if w.live and t - w.launched_at > window
+              and w.last_commit is not None and w.last_commit > t - window / 2
+              and w.previous_commit is not None and w.previous_commit > t - window
+              and w.moving_since is not None and t - w.moving_since >= window]
+    found = []
+    for replica in state.run.replicas:
+        watch = state.watch[replica.replica_id]
+        if not watch.live:
+            continue
+        silent = t - watch.last_time
+        recovering = replica.state is ReplicaState.RECOVERING
+        limit = state.policy.start_timeout if recovering else window
+        others_moving = any(rid != replica.replica_id for rid in steady)
+        if silent > limit and (others_moving or recovering):
+            found.append(rc.NodeFaulted(replica.replica_id, replica.nodes[0],
+                                        f"replica {replica.replica_id} made no progress "
+                                        f"for {silent:.0f} s"))
+    return found
+
+
+def _faults(state: ControllerState, faults: Sequence[rc.NodeFaulted], now: Now,
+            why: str) -> Decision:
+    """Each fault recorded, then decided in turn."""
+    actions: list[Action] = []
+    for fault in faults:
+        actions.append(NodeFaultDetected(node=fault.node, replica_id=fault.replica_id,
+                                         reason=fault.reason, time=now.wall))
+        decision = _failure(state, fault, [], now, why, finish=False)
+        state, actions = decision.state, actions + decision.actions
+    reason = "; ".join(f.reason for f in faults) if faults else why
+    return _finish(state, actions, now, f"{why}: {reason}" if faults else why)
+
+
+def _failure(state: ControllerState, event: rc.NodeFaulted | rc.ReplicaCrashed,
+             actions: list[Action], now: Now, why: str, finish: bool = True) -> Decision:
+    """Both tables hear of a replica's failure. A crash that rolls back a code update is
+    the code's fault, not the node's: the replica is relaunched in place on the older
+    version instead of being retried or evicted. A node fault reported without a
+    replica (an alarm, Slurm) does not count against the code."""
+    run = state.run
+    recovery_event: rc.Event = event
+    if event.replica_id is not None:
+        run, versioned = cv.decide_version(run, cv.ReplicaFailed(event.replica_id), now.wall,
+                                           state.policy.versions)
+        run, more = _restarts(run, versioned, state.policy)
+        actions = actions + more
+        rollback = [a for a in versioned if isinstance(a, cv.RollBack)]
+        if isinstance(event, rc.ReplicaCrashed) and rollback:
+            recovery_event = rc.RestartRequested(event.replica_id, rollback[0].reason)
+    run, recovered = rc.decide(run, recovery_event, state.policy.recovery)
+    state = replace(state, run=run)
+    if not finish:
+        return Decision(state, actions + list(recovered), why)
+    return _finish(state, actions + list(recovered), now, why)
+
+
+def _records(actions: Sequence[cv.VersionAction]) -> list[Record]:
+    """The version table's records; its RunVersion / RollBack are consumed here."""
+    return [a for a in actions if isinstance(a, Record)]
+
+
+def _restarts(run: RunState, versioned: Sequence[cv.VersionAction], policy: Policy
+              ) -> tuple[RunState, list[Action]]:
+    """The version table's records, and its update restarts carried out by the recovery
+    table (stop the replica, not a failure, and launch it again)."""
+    actions: list[Action] = []
+    for action in versioned:
+        if isinstance(action, cv.RestartReplicaForUpdate):
+            run, more = rc.decide(run, rc.RestartRequested(action.replica_id, action.reason),
+                                  policy.recovery)
+            actions += more
+        elif isinstance(action, Record):
+            actions.append(action)
+    return run, actions
+
+
+def _finish(state: ControllerState, actions: list[Action], now: Now, why: str) -> Decision:
+    """Every decision ends alike: a due update restart, launches stamped with their code
+    version and watched, the run's end if it came."""
+    if any(isinstance(a, rc.GiveUp) for a in actions):
+        return Decision(state, actions, why)
+    run, versioned = cv.roll(state.run, now.wall, [])
+    run, restarts = _restarts(run, versioned, state.policy)
+    state, actions = replace(state, run=run), actions + restarts
+    state, actions = _launched(state, actions, now)
+    return _finished(state, actions, now, why)
+
+
+def _launched(state: ControllerState, actions: list[Action], now: Now
+              ) -> tuple[ControllerState, list[Action]]:
+    stamped: list[Action] = []
+    for action in actions:
+        if isinstance(action, rc.CancelReplica):
+            watch = replace(state.watch[action.replica_id], live=False)
+            state = state.with_watch(action.replica_id, watch)
+        if isinstance(action, (StartReplica, rc.RelaunchReplica, rc.PromoteStandby)):
+            state, records, command = _launch(state, action.replica_id, now)
+            stamped += records
+            action = replace(action, command=command)
+        elif isinstance(action, rc.FullRestart):
+            commands = []
+            for replica_id, _ in action.placements:
+                state, records, command = _launch(state, replica_id, now)
+                stamped += records
+                commands.append(command)
+            action = replace(action, commands=tuple(commands))
+        stamped.append(action)
+    return state, stamped
+
+
+def _launch(state: ControllerState, replica_id: int, now: Now
+            ) -> tuple[ControllerState, list[Record], tuple[str, ...]]:
+    """Every launch runs the current code version (a pending update is applied at the
+    replica's next recovery) and is watched from now on."""
+    versioned: list[cv.VersionAction] = []
+    run = cv.launching(state.run, replica_id, now.wall, versioned)
+    (runs,) = [a for a in versioned if isinstance(a, cv.RunVersion)]
+    watch = replace(state.watch[replica_id], live=True, launched_at=now.elapsed,
+                    last_time=now.elapsed, awaiting_start=True)
+    state = replace(state, run=run).with_watch(replica_id, watch)
+    return state, _records(versioned), runs.version.command
+
+
+def _finished(state: ControllerState, actions: list[Action], now: Now, why: str) -> Decision:
+    """Once a replica finished, the run ends when all have, or after the finish grace."""
+    replicas = state.run.replicas
+    if not any(r.state is ReplicaState.FINISHED for r in replicas):
+        return Decision(state, actions, why)
+    if state.finished_at is None:
+        state = replace(state, finished_at=now.elapsed)
+    assert state.finished_at is not None
+    done = all(r.retired for r in replicas)
+    if done or now.elapsed - state.finished_at > state.policy.finish_grace:
+        return Decision(state, [*actions, FinishRun("training finished")],
+                        f"{why}; training finished")
+    return Decision(state, actions, why)

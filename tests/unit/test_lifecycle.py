@@ -1,0 +1,131 @@
+"""The controller's one decision, ``lifecycle.decide`` (pure): observation rules, the
+composition of the recovery and code-version tables, and the reasons it gives."""
+
+from __future__ import annotations
+
+from ftcore.errors import ExitCode
+from launcher import lifecycle as lc
+from launcher import recovery as rc
+from launcher import versions as cv
+from launcher.events import NodeFaultDetected
+from launcher.run_state import ReplicaState, RunState
+
+POLICY = lc.Policy(lost_timeout=10.0, start_timeout=60.0, finish_grace=30.0)
+
+
+def at(t: float) -> lc.Now:
+    return lc.Now(elapsed=t, wall=1000.0 + t)
+
+
+def started(replicas=3, standby=("s1",)):
+    """Every replica launched (t=0) and its process started."""
+    run = RunState.initial(("python", "train.py"), "a" * 64,
+                           {r: (f"n{r}",) for r in range(replicas)}, 1000.0, standby=standby)
+    decision = lc.decide(lc.ControllerState.initial(run, POLICY), lc.RunStarted(), at(0))
+    state = decision.state
+    for r in range(replicas):
+        state = lc.decide(state, lc.ProcessStarted(r), at(0)).state
+    return state, decision
+
+
+def orders(decision):
+    return [a for a in decision.actions if not isinstance(a, cv.Event)]
+
+
+def test_the_run_starts_every_replica_on_version_1_with_a_reason():
+    state, decision = started()
+    starts = [a for a in decision.actions if isinstance(a, lc.StartReplica)]
+    assert [(a.replica_id, a.nodes, a.command) for a in starts] == [
+        (r, (f"n{r}",), ("python", "train.py")) for r in range(3)]
+    assert all(a.reason for a in starts) and decision.reason
+    assert [type(a).__name__ for a in decision.actions].count("CodeVersionApplied") == 3
+    assert all(r.state is ReplicaState.STARTING for r in state.run.replicas)
+
+
+def test_commits_of_a_cancelled_process_do_not_bring_its_replica_back():
+    state, _ = started()
+    fault = lc.decide(state, lc.NodesReported((("n1", "Slurm reports DOWN"),)), at(1))
+    assert fault.state.run.replica(1).state is ReplicaState.RECOVERING
+    stale = lc.decide(fault.state, lc.StepsCommitted(1), at(2))
+    assert stale.state.run.replica(1).state is ReplicaState.RECOVERING
+    back = lc.decide(lc.decide(stale.state, lc.ProcessStarted(1), at(3)).state,
+                     lc.StepsCommitted(1), at(3))
+    assert back.state.run.replica(1).state is ReplicaState.RUNNING
+
+
+def test_a_node_fault_is_recorded_then_evicted_with_its_reason_on_every_action():
+    state, _ = started()
+    decision = lc.decide(state, lc.NodesReported((("n1", "Slurm reports DOWN"),
+                                                  ("n9", "not ours"))), at(1))
+    (record,) = [a for a in decision.actions if isinstance(a, NodeFaultDetected)]
+    assert (record.node, record.replica_id, record.time) == ("n1", 1, 1001.0)
+    assert orders(decision) == [rc.EvictNode("n1", "Slurm reports DOWN"), rc.CancelReplica(1),
+                                rc.PromoteStandby(1, "s1")]
+    assert all(a.reason for a in orders(decision))
+    assert orders(decision)[-1].command == ("python", "train.py")
+    assert "Slurm reports DOWN" in decision.reason
+
+
+def test_exit_0_with_a_failing_node_is_a_node_fault_not_a_finish():
+    state, _ = started()
+    decision = lc.decide(state, lc.StepExited(0, 0, (("n0", "Slurm reports DOWN"),)), at(1))
+    assert rc.EvictNode("n0", "step ended with its node failing (Slurm reports DOWN)") \
+        in decision.actions
+    finished = lc.decide(state, lc.StepExited(0, 0), at(1))
+    assert finished.state.run.replica(0).state is ReplicaState.FINISHED
+    assert orders(finished) == []
+
+
+def test_the_gate_exit_evicts_the_first_node_with_the_gate_reason():
+    state, _ = started()
+    decision = lc.decide(state, lc.StepExited(2, ExitCode.NODE_UNHEALTHY, (), "gpu3 xid 79"),
+                         at(1))
+    assert rc.EvictNode("n2", "gpu3 xid 79") in decision.actions
+    unknown = lc.decide(state, lc.StepExited(2, ExitCode.NODE_UNHEALTHY), at(1))
+    assert "health gate failed" in orders(unknown)[0].reason
+
+
+def test_the_run_finishes_when_all_have_or_after_the_grace():
+    state, _ = started(replicas=2)
+    one = lc.decide(state, lc.StepExited(0, 0), at(5))
+    assert not any(isinstance(a, lc.FinishRun) for a in one.actions)
+    waited = lc.decide(one.state, lc.Tick(), at(5 + POLICY.finish_grace + 1))
+    assert [a for a in waited.actions if isinstance(a, lc.FinishRun)] == [
+        lc.FinishRun("training finished")]
+    both = lc.decide(one.state, lc.StepExited(1, 0), at(6))
+    assert isinstance(both.actions[-1], lc.FinishRun)
+
+
+def test_a_relaunched_replica_gets_the_start_timeout_alone():
+    state, _ = started()
+    crashed = lc.decide(state, lc.StepExited(0, 1), at(1)).state
+    assert crashed.run.replica(0).state is ReplicaState.RECOVERING
+    assert not orders(lc.decide(crashed, lc.Tick(), at(1 + POLICY.start_timeout)))
+    late = lc.decide(crashed, lc.Tick(), at(2 + POLICY.start_timeout))
+    assert rc.CancelReplica(0) in late.actions and "made no progress" in late.reason
+
+
+def test_a_crash_that_rolls_back_an_update_relaunches_in_place():
+    state, _ = started(replicas=2, standby=())
+    for r in range(2):
+        state = lc.decide(state, lc.StepsCommitted(r), at(1)).state
+    request = cv.UpdateRequest(1, ("python", "v2.py"), True, None, "v2", "b" * 64, 1000.0)
+    updated = lc.decide(state, cv.UpdateRequested(request), at(2))
+    relaunch = [a for a in updated.actions if isinstance(a, rc.RelaunchReplica)]
+    assert [(a.replica_id, a.command) for a in relaunch] == [(0, ("python", "v2.py"))]
+    state = updated.state
+    for t in (3, 4):                                         # v2 fails twice, no step
+        state = lc.decide(state, lc.ProcessStarted(0), at(t)).state
+        decision = lc.decide(state, lc.StepExited(0, 1), at(t))
+        state = decision.state
+    assert state.run.current == 1 and state.run.bad == (2,)
+    assert not any(isinstance(a, rc.EvictNode) for a in decision.actions)
+    (again,) = [a for a in decision.actions if isinstance(a, rc.RelaunchReplica)]
+    assert again.command == ("python", "train.py") and "code version 2" in again.reason
+
+
+def test_every_replica_without_a_node_gives_up_and_nothing_follows():
+    state, _ = started(replicas=1, standby=())
+    decision = lc.decide(state, lc.InspectionAlarmed("n0", "inspection: xid 79"), at(1))
+    assert isinstance(decision.actions[-1], rc.GiveUp)
+    assert not any(isinstance(a, lc.FinishRun) for a in decision.actions)
