@@ -22,6 +22,7 @@ from ftcore.slurm.hostlist import compress
 from launcher.worker.events import StepCommitted
 
 from ..events import (
+    ActionTaken,
     FullRestartOrdered,
     NodeDrainRequested,
     NodeFaultDetected,
@@ -144,6 +145,12 @@ def describe_event(event: Event) -> str:
                                                 for r, nodes in sorted(event.placements.items()))
         case RunFinished():
             return f"run finished, exit {event.exit_code}: {event.reason}"
+        case ActionTaken():
+            subject = " ".join(part for part in (
+                f"replica {event.replica_id}" if event.replica_id is not None else "",
+                f"node {event.node}" if event.node else "") if part)
+            return f"decided {event.action}{' ' + subject if subject else ''}: " \
+                   f"{event.reason}"
         case CodeVersionApplied():
             return f"replica {event.replica_id} runs code v{event.version} " \
                    f"({short_command(event.command)}, {event.digest[:8]})"

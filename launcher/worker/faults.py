@@ -4,7 +4,9 @@
 SIGKILL itself in the middle of step 7's gradient all-reduce (after the
 reduce-scatter, before the all-gather) and SIGSTOP itself after committing step
 12. ``kill@mid_allreduce:7/1`` fires on rank 1 of the replica only (default: every
-rank). Each fault fires once, in the incarnation that was given it.
+rank). ``nan@gradients:9`` puts a NaN into this rank's first gradient contribution
+of step 9 (silent data corruption). Each fault fires once, in the incarnation that
+was given it.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ class FaultPoint(enum.Enum):
     MID_ALLREDUCE = "mid_allreduce"    # between reduce-scatter and all-gather
     BEFORE_COMMIT = "before_commit"    # all-reduce done, commit vote not yet cast
     AFTER_COMMIT = "after_commit"      # optimizer step and snapshot started
+    GRADIENTS = "gradients"            # this rank's gradients, before they are reduced
 
 
 class FaultAction(enum.Enum):
     KILL = "kill"              # SIGKILL: the process vanishes
     STOP = "stop"              # SIGSTOP: a hang (resumed by the test with SIGCONT)
     RAISE = "raise"            # an exception in the training process
+    NAN = "nan"                # a NaN in the gradients (at the gradients point only)
 
 
 @dataclass(frozen=True)
@@ -72,14 +76,20 @@ class FaultInjector:
     def armed(self, point: FaultPoint, step: int) -> bool:
         return any(f.point is point and f.step == step for f in self.pending)
 
-    def check(self, point: FaultPoint, step: int) -> None:
+    def check(self, point: FaultPoint, step: int) -> bool:
+        """Fire the faults due here; True if one corrupts data (``nan``) rather than
+        the process, which the caller then does."""
+        corrupt = False
         for fault in [f for f in self.pending if f.point is point and f.step == step]:
             self.pending.remove(fault)
             log.warning("injecting fault: %s at %s of step %d", fault.action.value,
                         point.value, step)
-            if fault.action is FaultAction.KILL:
+            if fault.action is FaultAction.NAN:
+                corrupt = True
+            elif fault.action is FaultAction.KILL:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.action is FaultAction.STOP:
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
                 raise RuntimeError(f"injected fault at {point.value} of step {step}")
+        return corrupt

@@ -76,6 +76,7 @@ class Reduction:
     ftar: FtarGroup
     step: int
     contributes: bool
+    corrupt: bool = False       # fault injection: put a NaN into this contribution
 
 
 class TrainState(Protocol):
@@ -316,7 +317,8 @@ class Manager:
         assert plan is not None  # the quorum ran first on this thread
         self._in_gradient_allreduce = True
         try:
-            reduce(Reduction(self._ftar, plan.step, plan.kind is StepKind.TRAIN))
+            corrupt = self._faults.check(FaultPoint.GRADIENTS, plan.step)
+            reduce(Reduction(self._ftar, plan.step, plan.kind is StepKind.TRAIN, corrupt))
         finally:
             self._in_gradient_allreduce = False
 

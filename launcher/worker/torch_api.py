@@ -38,14 +38,12 @@ from ckpt.manifest import Bytes, Manifest
 from ckpt.resident import Residency, ResidentAdam
 from ckpt.snapshot import DualBufferSnapshotter
 from ckpt.torch_state import TorchStateSource, is_sharded, load_train_state, local_tensor
-from ftar import ReduceOp
-from ftar.torch_frontend import allreduce_tensor
 from ftcore.config import Config, load_config
 from ftcore.errors import UsageError
 
 from .identity import ENV_CONFIG, ENV_INCARNATION, WorkerIdentity
 from .manager import Manager, Reduction
-from .torch_hooks import DdpExchange, FsdpExchange
+from .torch_hooks import DdpExchange, FsdpExchange, reduce_gradient
 
 __all__ = ["FtOptimizer", "Manager", "TorchReplicaGroup", "TorchTrainState", "ft_manager"]
 
@@ -111,8 +109,7 @@ class TorchTrainState:
                 if replicated_by_hand:  # the replica's ranks trained on different samples
                     assert self.group is not None
                     self.group.average_tensor(flat)
-                allreduce_tensor(reduction.ftar, flat, ReduceOp.AVG, reduction.contributes,
-                                 reduction.step)
+                reduce_gradient(reduction, flat)
             self._scatter()
 
     def _gather(self) -> dict[torch.dtype, torch.Tensor]:

@@ -11,6 +11,12 @@
 A recoverable FTAR failure never reaches backward: the exchange thread records
 it, skips the step's remaining reductions, and the commit votes the step down.
 
+Every reduced gradient is checked for NaN/Inf (``reduce_gradient``). FTAR hands
+every member the same bytes, so every replica in the quorum finds the same
+non-finite average, discards the step and retries it: a NaN from one replica (bad
+hardware, silent data corruption) never reaches any replica's weights. One that
+comes back step after step uses up ``runtime.max_consecutive_failures``.
+
 FSDP lays each parameter's gradient out as a view into the hook's buffer when
 the reduce dtype is the parameter's dtype; then the reduced values land in the
 gradients by themselves. Otherwise FSDP casts a copy right after the hook, and
@@ -22,6 +28,7 @@ reduction instead: correct, without the overlap.
 
 # No ``from __future__ import annotations``: DDP checks the comm hook's annotations
 # against the real ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +37,7 @@ import torch.distributed as dist
 
 from ftar import ReduceOp
 from ftar.torch_frontend import allreduce_tensor
+from ftcore.errors import RecoverableError
 
 from .exchange import Job
 from .manager import Reduction
@@ -64,15 +72,34 @@ def _exchange_stream(device: torch.device) -> Any:
     return stream
 
 
+class NonFiniteGradientsError(RecoverableError):
+    """The replicas' averaged gradients hold NaN or Inf: the step is discarded."""
+
+
+def reduce_gradient(reduction: Reduction, tensor: torch.Tensor) -> None:
+    """Average ``tensor`` with the same rank of every replica (FTAR), in place; a
+    non-finite average fails the step on every replica alike (module doc)."""
+    if reduction.corrupt:
+        tensor.view(-1)[0] = float("nan")
+    allreduce_tensor(reduction.ftar, tensor, ReduceOp.AVG, reduction.contributes,
+                     reduction.step)
+    # NaN and Inf survive a sum, which is one pass that allocates nothing (isfinite is
+    # ~100x slower on CPU). fp32 and bf16 sums overflow only for gradients too large for
+    # the dtype anyway; fp16's range is not enough for a sum of many.
+    total = tensor.sum(dtype=torch.float32) if tensor.dtype == torch.float16 else tensor.sum()
+    if not math.isfinite(float(total)):
+        raise NonFiniteGradientsError(
+            f"step {reduction.step}: the replicas' averaged gradients hold NaN or Inf; "
+            "every replica discards the step and retries it")
+
+
 def _reduce(reduction: Reduction, tensor: torch.Tensor, ready: Any) -> None:
     if ready is None:
-        allreduce_tensor(reduction.ftar, tensor, ReduceOp.AVG, reduction.contributes,
-                         reduction.step)
+        reduce_gradient(reduction, tensor)
         return
     ready.synchronize()
     with torch.cuda.device(tensor.device), torch.cuda.stream(_exchange_stream(tensor.device)):
-        allreduce_tensor(reduction.ftar, tensor, ReduceOp.AVG, reduction.contributes,
-                         reduction.step)
+        reduce_gradient(reduction, tensor)
 
 
 class FsdpExchange:

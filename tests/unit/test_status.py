@@ -11,7 +11,7 @@ from rich.console import Console
 
 from ftcore.events import EventLog
 from launcher import cli
-from launcher.events import NodeFaultDetected, RunFinished
+from launcher.events import ActionTaken, NodeFaultDetected, RunFinished
 from launcher.reporting.live import StatusDisplay, status_view
 from launcher.reporting.status import (
     StatusReader,
@@ -83,6 +83,10 @@ def test_a_finished_run_is_measured_at_its_end(run_dir: Path) -> None:
 def test_events_read_in_a_few_words_without_paths() -> None:
     fault = NodeFaultDetected(node="n1", replica_id=1, reason="xid 79", time=T0)
     assert describe_event(fault) == "node n1 failed (replica 1): xid 79"
+    evict = ActionTaken(action="EvictNode", replica_id=1, node="n1", reason="xid 79", time=T0)
+    assert describe_event(evict) == "decided EvictNode replica 1 node n1: xid 79"
+    finish = ActionTaken(action="FinishRun", replica_id=None, node=None, reason="done", time=T0)
+    assert describe_event(finish) == "decided FinishRun: done"
     assert short_command(["/opt/venv/bin/python3", "/home/me/train.py", "--out", "/a/b"]) \
         == "python3 train.py --out b"
     long = short_command(["python3", "train.py", *["--flag"] * 20])

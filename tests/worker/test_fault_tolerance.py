@@ -254,3 +254,28 @@ def test_a_restarted_job_resumes_every_rank_from_the_newest_persistent_step(tmp_
                for e in second.events(r, k)[before:] if type(e).__name__ == "WorkerStarted"}
     assert resumed == {21}           # step 20 is the newest persisted: 0, 10, 20
     assert_ranks_agree(tmp_path, replicas=2, ranks=2)
+
+
+@pytest.mark.parametrize(("parallel", "ranks"), [("fsdp", 2), ("none", 1)])
+def test_a_nan_from_one_replica_is_discarded_by_every_replica_and_never_trained(
+        tmp_path, parallel, ranks):
+    """Silent corruption: one rank of replica 1 contributes a NaN at step 9. Every
+    replica finds the same non-finite average, discards step 9 and retries it; no
+    weights ever hold the NaN and every sample is trained once."""
+    steps = 20
+    job = loopback_job(tmp_path, replicas=3, steps=steps, ranks=ranks, parallel=parallel)
+    job.start_all(injects={1: f"nan@gradients:9/{ranks - 1}"})
+    try:
+        finals = finish_and_check(job, steps)
+    finally:
+        job.stop_everything()
+    poisoned_rank = ranks - 1        # its ring found the NaN; it voted its ranks down
+    for replica in range(3):
+        for rank in range(ranks):
+            discarded = [e for e in job.events(replica, rank)
+                         if type(e).__name__ == "StepDiscarded"]
+            assert [e.step for e in discarded] == [9], (replica, rank, discarded)
+            if rank == poisoned_rank:
+                assert "NaN or Inf" in discarded[0].reason
+    assert all(math.isfinite(f["loss"]) for f in finals.values())
+    assert_ranks_agree(tmp_path, replicas=3, ranks=ranks)

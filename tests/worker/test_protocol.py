@@ -7,7 +7,7 @@ import pytest
 
 from ftcore.config import LrScaling
 from ftcore.errors import FatalError, RecoverableError, UsageError
-from launcher.worker.faults import FaultAction, FaultPoint, parse_faults
+from launcher.worker.faults import FaultAction, FaultInjector, FaultPoint, parse_faults
 from launcher.worker.ledger import DataLedger
 from launcher.worker.lr import lr_factor
 from launcher.worker.protocol import (
@@ -91,6 +91,13 @@ def test_fault_spec_parsing():
     assert parse_faults("") == ()
     with pytest.raises(UsageError, match="ACTION@POINT:STEP"):
         parse_faults("kill@nowhere:1")
+
+
+def test_a_data_fault_is_handed_to_the_caller_once():
+    injector = FaultInjector(parse_faults("nan@gradients:9/1"))
+    assert not injector.check(FaultPoint.GRADIENTS, 8)
+    assert injector.check(FaultPoint.GRADIENTS, 9)      # the caller corrupts its data
+    assert not injector.check(FaultPoint.GRADIENTS, 9)  # once
 
 
 def test_a_fault_for_one_rank_fires_on_that_rank_only(monkeypatch):
