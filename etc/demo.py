@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             args.images.mkdir(parents=True, exist_ok=True)
             save_live_view(status, args.images / "live-status.svg")
         wait(lambda s: job_state(job_id) == "", 600, "the job to finish", display)
-    console.out((out / "job.out").read_text().split("summary (")[-1], highlight=False)
+    report = (out / "job.out").read_text().split("summary (")[-1]
+    console.out("summary (" + report, highlight=False)
     finals = [json.loads(p.read_text()) for p in (run_dir / "final").glob("*.json")]
     # Rank k of every replica holds the same shards of the FSDP2-sharded model.
     same = len(finals) == 3 * RANKS and all(

@@ -42,12 +42,13 @@ class Policy:
     lost_timeout: float = 10.0      # a running replica without a commit this long is lost
     start_timeout: float = 300.0    # a relaunched replica gets this long to commit
     finish_grace: float = 60.0      # after one replica finished, the others get this long
+    nonfinite_limit: int = 3        # NaN/Inf steps computed on one node before it is evicted
 
     @classmethod
     def from_config(cls, config: RecoveryConfig) -> Policy:
         return cls(recovery=rc.Policy(retries_in_place=config.retries_in_place),
                    lost_timeout=config.lost_timeout, start_timeout=config.start_timeout,
-                   finish_grace=config.finish_grace)
+                   finish_grace=config.finish_grace, nonfinite_limit=config.nonfinite_limit)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class ControllerState:
     watch: tuple[Watch, ...]                # by replica id
     policy: Policy = field(default_factory=Policy)
     finished_at: float | None = None        # when the first replica finished
+    #: per node, the steps whose gradients computed there held NaN/Inf
+    nonfinite_steps: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def initial(cls, run: RunState, policy: Policy | None = None) -> ControllerState:
@@ -148,12 +151,22 @@ class InspectionAlarmed:
 
 
 @dataclass(frozen=True)
+class GradientsNonFinite:
+    """A replica discarded a step because the gradients its ranks on ``nodes`` computed
+    held NaN/Inf before the reduction."""
+
+    replica_id: int
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed: stalls, forced update windows, the finish grace."""
 
 
 Event = (RunStarted | ProcessStarted | StepsCommitted | StepExited | StandbyAgentExited
-         | NodesReported | InspectionAlarmed | cv.UpdateRequested | rc.StandbyAdded | Tick)
+         | NodesReported | InspectionAlarmed | GradientsNonFinite | cv.UpdateRequested
+         | rc.StandbyAdded | Tick)
 
 
 # --------------------------------------------------------------------------- actions
@@ -213,6 +226,8 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
         faults = [rc.NodeFaulted(watched[node], node, reason)
                   for node, reason in event.unhealthy if node in watched]
         return _faults(state, faults, now, "Slurm reports node states")
+    if isinstance(event, GradientsNonFinite):
+        return _nonfinite(state, event, now)
     if isinstance(event, InspectionAlarmed):
         faults = [] if event.node in state.run.evicted else [
             rc.NodeFaulted(None, event.node, event.reason)]
@@ -228,6 +243,25 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
         run, added = rc.decide(state.run, event, state.policy.recovery)
         return Decision(replace(state, run=run), list(added), f"standby {event.node} added")
     return _ticked(state, now)
+
+
+def _nonfinite(state: ControllerState, event: GradientsNonFinite, now: Now) -> Decision:
+    """Every replica discards a step with a non-finite average, so one bad step costs
+    little; a node whose ranks keep computing NaN/Inf corrupts silently: evict it."""
+    counts = dict(state.nonfinite_steps)
+    for node in event.nodes:
+        counts[node] = counts.get(node, 0) + 1
+    state = replace(state, nonfinite_steps=tuple(sorted(counts.items())))
+    limit = state.policy.nonfinite_limit
+    watched = _watched_nodes(state)
+    faults = [rc.NodeFaulted(event.replica_id, node,
+                             f"sdc: gradients computed on {node} held NaN/Inf in "
+                             f"{counts[node]} steps (replica {event.replica_id})")
+              for node in event.nodes
+              if limit and counts[node] >= limit and watched.get(node) == event.replica_id]
+    return _faults(state, faults, now,
+                   f"replica {event.replica_id}: NaN/Inf gradients from "
+                   f"{', '.join(event.nodes)}")
 
 
 def _committed(state: ControllerState, event: StepsCommitted, now: Now) -> Decision:

@@ -51,7 +51,7 @@ from .plan import LaunchPlan, replica_step_spec
 from .pool import ReservationPool
 from .run_state import RunState
 from .standby import activate, unhealthy_file
-from .worker.events import StepCommitted, WorkerStarted
+from .worker.events import StepCommitted, StepDiscarded, WorkerStarted
 from .worker.identity import ENV_REPLICA_ID, ENV_SECRET, replica_world_env
 
 log = logging.getLogger(__name__)
@@ -238,6 +238,12 @@ class Supervisor:
                     commits = 0
                 elif isinstance(event, StepCommitted):
                     commits += 1
+                elif isinstance(event, StepDiscarded) and event.nonfinite_nodes:
+                    if commits:
+                        found.append(lc.StepsCommitted(replica_id, commits))
+                    found.append(lc.GradientsNonFinite(replica_id,
+                                                       tuple(event.nonfinite_nodes)))
+                    commits = 0
             if commits:
                 found.append(lc.StepsCommitted(replica_id, commits))
         return found

@@ -155,6 +155,9 @@ class RecoveryConfig(_Section):
     retries_in_place: int = _count(1, 0, 1000)  # unexplained crashes retried on the same nodes
     finish_grace: float = _seconds(60.0)    # after one replica finished, the others get this long
     poll_interval: float = _seconds(0.2)
+    #: steps in which gradients computed on one node held NaN/Inf (every replica discarded
+    #: them) before that node is evicted as silently corrupting (0: never)
+    nonfinite_limit: int = _count(3, 0, 1_000_000)
 
 
 @dataclass(frozen=True)

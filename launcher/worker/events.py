@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ftcore.events import Event
 from launcher.quorum import events as quorum_events  # noqa: F401  same log: register them too
@@ -34,6 +34,9 @@ class StepDiscarded(Event):
     step: int
     quorum_id: int
     reason: str
+    #: the nodes whose ranks' own gradients held NaN/Inf before the reduction (rank 0
+    #: tells the controller: silent data corruption is suspected there)
+    nonfinite_nodes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

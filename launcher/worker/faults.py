@@ -6,7 +6,9 @@ reduce-scatter, before the all-gather) and SIGSTOP itself after committing step
 12. ``kill@mid_allreduce:7/1`` fires on rank 1 of the replica only (default: every
 rank). ``nan@gradients:9`` puts a NaN into this rank's first gradient contribution
 of step 9 (silent data corruption). Each fault fires once, in the incarnation that
-was given it.
+was given it; ``STEP+`` fires at that step and every one after (a broken GPU), and a
+last ``@NODE`` limits it to the workers on that node: ``nan@gradients:30+@n3``
+corrupts whatever trains on n3 from step 30 on, and stops once n3 is replaced.
 """
 
 from __future__ import annotations
@@ -44,20 +46,25 @@ class InjectedFault:
     point: FaultPoint
     step: int
     rank: int | None = None     # None: every rank of the replica
+    onwards: bool = False       # every step from ``step`` on, not just that one
+    node: str | None = None     # None: on every node
 
 
 def parse_faults(text: str) -> tuple[InjectedFault, ...]:
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         try:
-            action, rest = item.split("@")
+            action, rest, *node = item.split("@")
             point, when = rest.split(":")
             step, _, rank = when.partition("/")
-            faults.append(InjectedFault(FaultAction(action), FaultPoint(point), int(step),
-                                        int(rank) if rank else None))
+            if len(node) > 1 or node == [""]:
+                raise ValueError(item)
+            faults.append(InjectedFault(FaultAction(action), FaultPoint(point),
+                                        int(step.removesuffix("+")), int(rank) if rank else None,
+                                        step.endswith("+"), node[0] if node else None))
         except ValueError:
             raise UsageError(f"bad {ENV_INJECT} item {item!r}",
-                             hint="write ACTION@POINT:STEP or ACTION@POINT:STEP/RANK, ACTION in "
+                             hint="write ACTION@POINT:STEP[+][/RANK][@NODE], ACTION in "
                                   f"{[a.value for a in FaultAction]}, POINT in "
                                   f"{[p.value for p in FaultPoint]}") from None
     return tuple(faults)
@@ -68,20 +75,25 @@ class FaultInjector:
         self.pending = list(faults)
 
     @staticmethod
-    def from_env(rank: int = 0) -> FaultInjector:
-        """The faults of ``FTL_WORKER_INJECT`` that fire on ``rank``."""
+    def from_env(rank: int = 0, node: str = "") -> FaultInjector:
+        """The faults of ``FTL_WORKER_INJECT`` that fire on ``rank`` on ``node``."""
         return FaultInjector(tuple(f for f in parse_faults(os.environ.get(ENV_INJECT, ""))
-                                   if f.rank is None or f.rank == rank))
+                                   if f.rank in (None, rank) and f.node in (None, node)))
+
+    def _due(self, point: FaultPoint, step: int) -> list[InjectedFault]:
+        return [f for f in self.pending if f.point is point
+                and (f.step == step or (f.onwards and step >= f.step))]
 
     def armed(self, point: FaultPoint, step: int) -> bool:
-        return any(f.point is point and f.step == step for f in self.pending)
+        return bool(self._due(point, step))
 
     def check(self, point: FaultPoint, step: int) -> bool:
         """Fire the faults due here; True if one corrupts data (``nan``) rather than
         the process, which the caller then does."""
         corrupt = False
-        for fault in [f for f in self.pending if f.point is point and f.step == step]:
-            self.pending.remove(fault)
+        for fault in self._due(point, step):
+            if not fault.onwards:
+                self.pending.remove(fault)
             log.warning("injecting fault: %s at %s of step %d", fault.action.value,
                         point.value, step)
             if fault.action is FaultAction.NAN:

@@ -42,6 +42,8 @@ class WorkerIdentity:
     secret: str
     #: the controller's heartbeat file (None: no controller watches this worker)
     heartbeat: Path | None = None
+    #: the node as Slurm names it (SLURMD_NODENAME; the hostname outside Slurm)
+    node: str = ""
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> WorkerIdentity:
@@ -65,6 +67,7 @@ class WorkerIdentity:
             job_id=env.get(ENV_JOB_ID) or env.get("SLURM_JOB_ID") or "local",
             replica_id=replica_id, num_replicas=replicas, rank=rank, ranks=ranks,
             host=env.get(ENV_HOST) or node_address(), run_dir=Path(env[ENV_RUN_DIR]),
+            node=env.get("SLURMD_NODENAME") or socket.gethostname(),
             secret=env[ENV_SECRET],
             heartbeat=Path(env[ENV_HEARTBEAT]) if env.get(ENV_HEARTBEAT) else None)
 

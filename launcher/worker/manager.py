@@ -62,7 +62,15 @@ from .faults import FaultInjector, FaultPoint
 from .identity import WorkerIdentity
 from .ledger import DataLedger, StepContribution
 from .lr import lr_factor
-from .protocol import FailureBudget, QuorumView, ReplicaEndpoints, StepKind, StepPlan, plan_step
+from .protocol import (
+    FailureBudget,
+    NonFiniteGradientsError,
+    QuorumView,
+    ReplicaEndpoints,
+    StepKind,
+    StepPlan,
+    plan_step,
+)
 from .replica_group import ReplicaGroup, SoloGroup
 
 log = logging.getLogger(__name__)
@@ -107,7 +115,7 @@ class Manager:
         self._events = EventLog(run_dir / "events" / f"{tag}.jsonl")
         self._audit = (run_dir / "audit" / f"replica-{identity.replica_id}.jsonl"
                       if identity.rank == 0 else None)
-        self._faults = FaultInjector.from_env(identity.rank)
+        self._faults = FaultInjector.from_env(identity.rank, identity.node)
         self._ftar = FtarGroup(config.ftar, identity.secret, identity.host,
                               progress_hook=self._on_ring_progress)
         ckpt_dir = Path(config.ckpt.dir)
@@ -491,14 +499,26 @@ class Manager:
     def _discard(self, plan: StepPlan) -> bool:
         error = self._error or RecoverableError("another rank of this replica failed the step")
         log.warning("step %d discarded: %s", plan.step, error)
+        # Every rank is here (the vote's outcome is the same on all): which of this
+        # replica's nodes computed NaN/Inf, and whether a non-finite average was seen.
+        seen = isinstance(error, NonFiniteGradientsError)
+        own = isinstance(error, NonFiniteGradientsError) and error.own
+        gathered = self._group.all_gather((self._identity.node if own else None, seen))
+        nonfinite = sorted({node for node, _ in gathered if node is not None})
+        # Another replica's NaN reached the average: not this replica's failure. Its
+        # budget is kept for its own faults, and the controller evicts the node that
+        # computes them (recovery.nonfinite_limit).
+        bystander = any(s for _, s in gathered) and not nonfinite
         self._state.zero_gradients()
         self._quorum_id = None  # the ring may be broken: rebuild it under the next quorum
         if self._agent is not None:
             self._agent.report_commit_failure()
         self._events.emit(StepDiscarded(replica_id=self._identity.replica_id,
                                        rank=self._identity.rank, step=plan.step,
-                                       quorum_id=plan.quorum_id, reason=str(error)))
-        self._budget.failed(error, plan.step)
+                                       quorum_id=plan.quorum_id, reason=str(error),
+                                       nonfinite_nodes=nonfinite))
+        if not bystander:
+            self._budget.failed(error, plan.step)
         return False
 
     def _write_audit(self, plan: StepPlan, positions_before: list[int]) -> None:

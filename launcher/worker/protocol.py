@@ -19,6 +19,15 @@ from ftcore.errors import FatalError, RecoverableError
 Address = tuple[str, int]
 
 
+class NonFiniteGradientsError(RecoverableError):
+    """The replicas' averaged gradients hold NaN or Inf: every replica discards the step.
+    ``own``: this rank's own contribution was already non-finite (its node computed it)."""
+
+    def __init__(self, message: str, *, own: bool, **ids: object) -> None:
+        super().__init__(message, **ids)  # type: ignore[arg-type]
+        self.own = own
+
+
 @dataclass(frozen=True)
 class ReplicaEndpoints:
     """Where each rank of a replica listens: FTAR data plane and state server."""

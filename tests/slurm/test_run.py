@@ -264,6 +264,32 @@ def test_inspection_alarm_on_a_replica_node_evicts_it(training, simulated_gpus):
     assert summary["nodes_drained"] == [victim] and summary["promotions"] == 1
 
 
+def test_a_node_whose_gpu_corrupts_gradients_is_found_drained_and_replaced(training,
+                                                                          slurm_cluster):
+    """Silent data corruption: from step 60 on, whatever trains on one node puts a NaN
+    into its gradients. Every replica discards each such step (no weights ever hold
+    the NaN), the replica on that node names it, and after recovery.nonfinite_limit
+    steps the controller drains it with an sdc reason and promotes the standby. The
+    job completes, identical and exactly once."""
+    # the allocation is the first idle nodes; its batch host, the first, is the standby
+    bad = slurm_cluster.nodes[2]
+    run = training(steps=500, FTL_WORKER_INJECT=f"nan@gradients:60+@{bad}")
+    run.wait_training(10)
+    assert bad in run.replica_nodes().values(), (bad, run.replica_nodes())
+    bad_replica = next(r for r, n in run.replica_nodes().items() if n == bad)
+    (promoted,) = run.wait_promoted(1)
+    assert promoted.replica_id == bad_replica and promoted.node != bad
+    (info,) = slurm_cluster.slurm.nodes((bad,))
+    assert info.drained and "sdc" in info.reason, info.reason
+    faults = run.events(controller_events.NodeFaultDetected)
+    assert [(f.node, f.replica_id) for f in faults] == [(bad, bad_replica)]
+    summary = run.finish()           # identical finals, every sample once
+    assert summary["nodes_drained"] == [bad] and summary["promotions"] == 1
+    discarded = [e for e in run.worker_events(worker_events.StepDiscarded)
+                 if e.nonfinite_nodes]
+    assert discarded and all(e.nonfinite_nodes == [bad] for e in discarded)
+
+
 def test_standby_node_dying_during_its_promotion_passes_the_replica_on(training):
     run = training(standby=2, steps=1400)
     run.wait_training(60)

@@ -129,3 +129,31 @@ def test_every_replica_without_a_node_gives_up_and_nothing_follows():
     decision = lc.decide(state, lc.InspectionAlarmed("n0", "inspection: xid 79"), at(1))
     assert isinstance(decision.actions[-1], rc.GiveUp)
     assert not any(isinstance(a, lc.FinishRun) for a in decision.actions)
+
+
+def test_a_node_whose_gradients_keep_holding_nan_is_evicted_as_corrupting():
+    """One NaN step costs the quorum one retried step; the third from the same node
+    (``nonfinite_limit``) evicts it, and only it, with an sdc reason."""
+    state, _ = started()
+    for t in (1, 2):
+        decision = lc.decide(state, lc.GradientsNonFinite(1, ("n1",)), at(t))
+        assert orders(decision) == [] and "NaN/Inf gradients from n1" in decision.reason
+        state = decision.state
+    third = lc.decide(state, lc.GradientsNonFinite(1, ("n1",)), at(3))
+    (evict, cancel, promote) = orders(third)
+    assert (evict, cancel, promote) == (rc.EvictNode("n1", evict.reason), rc.CancelReplica(1),
+                                        rc.PromoteStandby(1, "s1"))
+    assert evict.reason == "sdc: gradients computed on n1 held NaN/Inf in 3 steps (replica 1)"
+    assert dict(third.state.nonfinite_steps) == {"n1": 3}
+
+
+def test_nan_gradients_never_evict_when_the_limit_is_0():
+    run = RunState.initial(("python", "train.py"), "a" * 64, {0: ("n0",), 1: ("n1",)},
+                           1000.0, standby=("s1",))
+    policy = lc.Policy(lost_timeout=10.0, start_timeout=60.0, finish_grace=30.0,
+                       nonfinite_limit=0)
+    state = lc.decide(lc.ControllerState.initial(run, policy), lc.RunStarted(), at(0)).state
+    for t in range(1, 10):
+        decision = lc.decide(state, lc.GradientsNonFinite(0, ("n0",)), at(t))
+        assert orders(decision) == []
+        state = decision.state

@@ -25,7 +25,7 @@ from launcher.plan import LaunchPlan, ReplicaPlacement
 from launcher.run_state import ReplicaState
 from launcher.standby import activation_file
 from launcher.supervisor import NODE_CHECK_INTERVAL, Supervisor
-from launcher.worker.events import StepCommitted, WorkerStarted
+from launcher.worker.events import StepCommitted, StepDiscarded, WorkerStarted
 from launcher.worker.identity import ENV_SECRET
 
 pytestmark = pytest.mark.timeout(10)
@@ -178,6 +178,24 @@ def test_a_silent_replica_among_moving_ones_is_evicted_after_the_lost_timeout(lo
     faults = [r for r in run.records() if isinstance(r, NodeFaultDetected)]
     assert [(f.node, f.replica_id) for f in faults] == [("n2", 2)]
     assert "made no progress" in faults[0].reason
+
+
+def test_a_node_whose_ranks_keep_computing_nan_is_drained_and_replaced(loop):
+    """Each replica discards a step with a NaN average; only the replica whose own
+    ranks computed it names their node. The third such step drains that node."""
+    run = loop()
+    run.started(0, 1, 2)
+    for step in (5, 9, 14):
+        run.commit(0, 1, 2)
+        for r in range(3):
+            run.worker(r, StepDiscarded(replica_id=r, rank=0, step=step, quorum_id=1,
+                                        reason="NaN", nonfinite_nodes=["n1"] if r == 1 else []))
+        assert run.poll() is None
+    drains = [c for c in run.slurm.calls if c[0] == "set_node_state"]
+    assert drains == [("set_node_state", "n1", "drain",
+                       "ft: sdc: gradients computed on n1 held NaN/Inf in 3 steps (replica 1)")]
+    assert not run.slurm.step_named("replica-1").running
+    assert run.supervisor.state.run.replica(1).nodes == ("s1",)
 
 
 def test_replicas_stalled_together_are_not_blamed(loop):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import socket
 
 import pytest
 
@@ -277,5 +278,8 @@ def test_a_nan_from_one_replica_is_discarded_by_every_replica_and_never_trained(
             assert [e.step for e in discarded] == [9], (replica, rank, discarded)
             if rank == poisoned_rank:
                 assert "NaN or Inf" in discarded[0].reason
+            # every rank of a replica names the same nodes: the corrupting rank's only
+            assert discarded[0].nonfinite_nodes == ([socket.gethostname()] if replica == 1
+                                                    else []), (replica, rank)
     assert all(math.isfinite(f["loss"]) for f in finals.values())
     assert_ranks_agree(tmp_path, replicas=3, ranks=ranks)

@@ -100,6 +100,19 @@ def test_a_data_fault_is_handed_to_the_caller_once():
     assert not injector.check(FaultPoint.GRADIENTS, 9)  # once
 
 
+def test_a_fault_from_a_step_on_fires_every_step_on_its_node_only(monkeypatch):
+    from launcher.worker.faults import ENV_INJECT
+
+    monkeypatch.setenv(ENV_INJECT, "nan@gradients:30+@n3")
+    assert FaultInjector.from_env(0, "n1").pending == []
+    broken = FaultInjector.from_env(0, "n3")
+    assert [broken.check(FaultPoint.GRADIENTS, s) for s in (29, 30, 30, 31)] == [
+        False, True, True, True]
+    for bad in ("nan@gradients:3@", "nan@gradients:3@a@b", "nan@gradients:x+"):
+        with pytest.raises(UsageError, match="ACTION@POINT:STEP"):
+            parse_faults(bad)
+
+
 def test_a_fault_for_one_rank_fires_on_that_rank_only(monkeypatch):
     from launcher.worker.faults import ENV_INJECT, FaultInjector
 
