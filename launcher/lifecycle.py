@@ -74,6 +74,9 @@ class ControllerState:
     finished_at: float | None = None        # when the first replica finished
     #: per node, the steps whose gradients computed there held NaN/Inf
     nonfinite_steps: tuple[tuple[str, int], ...] = ()
+    #: (lost, reporter): the reporter's quorum lost that replica; it is lost for good
+    #: once the reporter commits without it (it trained on) before it commits again
+    suspects: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def initial(cls, run: RunState, policy: Policy | None = None) -> ControllerState:
@@ -160,13 +163,22 @@ class GradientsNonFinite:
 
 
 @dataclass(frozen=True)
+class QuorumLostMembers:
+    """Replica ``reporter``'s quorum stopped hearing from ``lost`` (no heartbeat within
+    ``quorum.member_timeout``): sooner than ``recovery.lost_timeout`` would tell."""
+
+    reporter: int
+    lost: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed: stalls, forced update windows, the finish grace."""
 
 
 Event = (RunStarted | ProcessStarted | StepsCommitted | StepExited | StandbyAgentExited
-         | NodesReported | InspectionAlarmed | GradientsNonFinite | cv.UpdateRequested
-         | rc.StandbyAdded | Tick)
+         | NodesReported | InspectionAlarmed | GradientsNonFinite | QuorumLostMembers
+         | cv.UpdateRequested | rc.StandbyAdded | Tick)
 
 
 # --------------------------------------------------------------------------- actions
@@ -228,6 +240,8 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
         return _faults(state, faults, now, "Slurm reports node states")
     if isinstance(event, GradientsNonFinite):
         return _nonfinite(state, event, now)
+    if isinstance(event, QuorumLostMembers):
+        return _quorum_lost(state, event)
     if isinstance(event, InspectionAlarmed):
         faults = [] if event.node in state.run.evicted else [
             rc.NodeFaulted(None, event.node, event.reason)]
@@ -264,6 +278,28 @@ def _nonfinite(state: ControllerState, event: GradientsNonFinite, now: Now) -> D
                    f"{', '.join(event.nodes)}")
 
 
+def _training(state: ControllerState, replica_id: int) -> bool:
+    """Running, watched, and not (re)launched since: its commits are its own."""
+    watch = state.watch[replica_id]
+    return (state.run.replica(replica_id).state is ReplicaState.RUNNING and watch.live
+            and not watch.awaiting_start)
+
+
+def _quorum_lost(state: ControllerState, event: QuorumLostMembers) -> Decision:
+    """A replica's quorum names members it lost, long before ``lost_timeout``. Its word
+    alone is not enough (a partitioned leader loses everyone): each lost replica that
+    trains is suspected, and found lost only when the reporter commits again before it
+    does (``_committed``): the reporter trained on without it."""
+    if not _training(state, event.reporter):
+        return Decision(state, [], f"replica {event.reporter} reports lost {list(event.lost)}"
+                                   " but does not train")
+    new = [(rid, event.reporter) for rid in event.lost
+           if rid != event.reporter and 0 <= rid < len(state.watch) and _training(state, rid)
+           and (rid, event.reporter) not in state.suspects]
+    return Decision(replace(state, suspects=state.suspects + tuple(new)), [],
+                    f"replica {event.reporter}'s quorum lost {list(event.lost)}")
+
+
 def _committed(state: ControllerState, event: StepsCommitted, now: Now) -> Decision:
     rid = event.replica_id
     watch = state.watch[rid]
@@ -281,6 +317,17 @@ def _committed(state: ControllerState, event: StepsCommitted, now: Now) -> Decis
     # Any new commit is progress: after a full restart, steps repeat from the
     # checkpoint's, below the highest ever seen.
     state = replace(state, run=rc.decide(state.run, ReplicaProgressed(rid))[0])
+    # it lives: nobody's suspect; the ones it reported lost stayed silent while it went on
+    confirmed = [lost for lost, reporter in state.suspects
+                 if reporter == rid and _training(state, lost)]
+    state = replace(state, suspects=tuple(s for s in state.suspects
+                                          if rid not in s))
+    faults = [rc.NodeFaulted(lost, state.run.replica(lost).nodes[0],
+                             f"the quorum of replica {rid} lost replica {lost}, and "
+                             f"replica {rid} trained on without it") for lost in confirmed]
+    if faults:
+        return _faults(state, faults, now, f"replica {rid} committed without replica(s) "
+                                           f"{confirmed}")
     return _finish(state, [], now, f"replica {rid} committed {event.count} step(s)")
 
 

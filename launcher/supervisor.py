@@ -49,6 +49,7 @@ from .heartbeat import HeartbeatWriter
 from .inspection import NodeInspection
 from .plan import LaunchPlan, replica_step_spec
 from .pool import ReservationPool
+from .quorum.events import MembersLivenessChanged
 from .run_state import RunState
 from .standby import activate, unhealthy_file
 from .worker.events import StepCommitted, StepDiscarded, WorkerStarted
@@ -238,6 +239,11 @@ class Supervisor:
                     commits = 0
                 elif isinstance(event, StepCommitted):
                     commits += 1
+                elif isinstance(event, MembersLivenessChanged) and event.lost:
+                    if commits:
+                        found.append(lc.StepsCommitted(replica_id, commits))
+                    found.append(lc.QuorumLostMembers(replica_id, tuple(event.lost)))
+                    commits = 0
                 elif isinstance(event, StepDiscarded) and event.nonfinite_nodes:
                     if commits:
                         found.append(lc.StepsCommitted(replica_id, commits))

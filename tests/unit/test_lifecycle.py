@@ -157,3 +157,38 @@ def test_nan_gradients_never_evict_when_the_limit_is_0():
         decision = lc.decide(state, lc.GradientsNonFinite(0, ("n0",)), at(t))
         assert orders(decision) == []
         state = decision.state
+
+
+def test_a_replica_the_quorum_lost_is_evicted_once_the_reporter_trains_on_without_it():
+    state, _ = started()
+    for r in range(3):
+        state = lc.decide(state, lc.StepsCommitted(r), at(1)).state
+    reported = lc.decide(state, lc.QuorumLostMembers(0, (2,)), at(2))
+    assert orders(reported) == [] and reported.state.suspects == ((2, 0),)
+    # the reporter commits again without it (long before lost_timeout): lost
+    on = lc.decide(reported.state, lc.StepsCommitted(0), at(3))
+    assert orders(on)[:3] == [rc.EvictNode("n2", orders(on)[0].reason), rc.CancelReplica(2),
+                              rc.PromoteStandby(2, "s1")]
+    assert orders(on)[0].reason == "the quorum of replica 0 lost replica 2, and replica 0 trained on without it"
+
+
+def test_a_lost_report_is_withdrawn_when_the_replica_commits_first():
+    """A partitioned leader loses everyone; the others go on committing: nobody is
+    evicted on its word."""
+    state, _ = started()
+    for r in range(3):
+        state = lc.decide(state, lc.StepsCommitted(r), at(1)).state
+    state = lc.decide(state, lc.QuorumLostMembers(0, (1, 2)), at(2)).state
+    for r in (1, 2, 0):
+        decision = lc.decide(state, lc.StepsCommitted(r), at(3))
+        assert orders(decision) == []
+        state = decision.state
+    assert state.suspects == ()
+
+
+def test_a_relaunched_replica_reported_lost_is_not_evicted():
+    state, _ = started()
+    crashed = lc.decide(state, lc.StepExited(1, 1), at(1)).state      # retried in place
+    reported = lc.decide(crashed, lc.QuorumLostMembers(0, (1,)), at(2))
+    assert reported.state.suspects == ()
+    assert orders(lc.decide(reported.state, lc.StepsCommitted(0), at(3))) == []

@@ -22,6 +22,7 @@ from launcher import lifecycle as lc
 from launcher import versions as cv
 from launcher.events import ActionTaken, NodeDrainRequested, NodeFaultDetected, RunFinished
 from launcher.plan import LaunchPlan, ReplicaPlacement
+from launcher.quorum.events import MembersLivenessChanged
 from launcher.run_state import ReplicaState
 from launcher.standby import activation_file
 from launcher.supervisor import NODE_CHECK_INTERVAL, Supervisor
@@ -196,6 +197,21 @@ def test_a_node_whose_ranks_keep_computing_nan_is_drained_and_replaced(loop):
                        "ft: sdc: gradients computed on n1 held NaN/Inf in 3 steps (replica 1)")]
     assert not run.slurm.step_named("replica-1").running
     assert run.supervisor.state.run.replica(1).nodes == ("s1",)
+
+
+def test_a_replica_the_quorum_lost_is_replaced_before_the_lost_timeout(loop):
+    run = loop()
+    run.started(0, 1, 2)
+    run.commit(0, 1, 2)
+    run.poll()
+    run.worker(0, MembersLivenessChanged(replica_id=0, lost=[2], recovered=[]))
+    run.commit(0, 1)                   # the survivors go on without it
+    assert run.poll(0.2) is None       # well inside LOST
+    drains = [c for c in run.slurm.calls if c[0] == "set_node_state"]
+    assert drains == [("set_node_state", "n2", "drain",
+                       "ft: the quorum of replica 0 lost replica 2, and replica 0 trained on "
+                       "without it")]
+    assert run.supervisor.state.run.replica(2).nodes == ("s1",)
 
 
 def test_replicas_stalled_together_are_not_blamed(loop):
