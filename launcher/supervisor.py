@@ -227,28 +227,20 @@ class Supervisor:
         return [cv.UpdateRequested(request) for request in requests]
 
     def _read_progress(self) -> list[lc.Event]:
-        """Each replica's new lines, in order: a start, then runs of commits."""
+        """Each replica's new lines, in order: runs of commits (counted as one event)
+        between the lines the controller acts on."""
         found: list[lc.Event] = []
         for replica_id, tail in self.tails.items():
             commits = 0
             for event in tail.read():
-                if isinstance(event, WorkerStarted):
-                    if commits:
-                        found.append(lc.StepsCommitted(replica_id, commits))
-                    found.append(lc.ProcessStarted(replica_id))
-                    commits = 0
-                elif isinstance(event, StepCommitted):
+                if isinstance(event, StepCommitted):
                     commits += 1
-                elif isinstance(event, MembersLivenessChanged) and event.lost:
+                    continue
+                observed = _observation(replica_id, event)
+                if observed is not None:
                     if commits:
                         found.append(lc.StepsCommitted(replica_id, commits))
-                    found.append(lc.QuorumLostMembers(replica_id, tuple(event.lost)))
-                    commits = 0
-                elif isinstance(event, StepDiscarded) and event.nonfinite_nodes:
-                    if commits:
-                        found.append(lc.StepsCommitted(replica_id, commits))
-                    found.append(lc.GradientsNonFinite(replica_id,
-                                                       tuple(event.nonfinite_nodes)))
+                    found.append(observed)
                     commits = 0
             if commits:
                 found.append(lc.StepsCommitted(replica_id, commits))
@@ -416,3 +408,13 @@ class Supervisor:
         if self.pool is not None:
             self.pool.release()
 
+
+def _observation(replica_id: int, event: Event) -> lc.Event | None:
+    """What a line of a replica's event file tells the controller (None: nothing)."""
+    if isinstance(event, WorkerStarted):
+        return lc.ProcessStarted(replica_id)
+    if isinstance(event, MembersLivenessChanged) and event.lost:
+        return lc.QuorumLostMembers(replica_id, tuple(event.lost))
+    if isinstance(event, StepDiscarded) and event.nonfinite_nodes:
+        return lc.GradientsNonFinite(replica_id, tuple(event.nonfinite_nodes))
+    return None

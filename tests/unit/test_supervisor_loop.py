@@ -17,7 +17,6 @@ from ftcore.config import Config, HealthConfig, RecoveryConfig
 from ftcore.errors import ExitCode
 from ftcore.events import EventLog, NodeDrained, read_events
 from ftcore.slurm.client import SlurmBackend
-from ftcore.slurm.fake import FakeSlurm
 from launcher import lifecycle as lc
 from launcher import versions as cv
 from launcher.events import ActionTaken, NodeDrainRequested, NodeFaultDetected, RunFinished
@@ -28,6 +27,7 @@ from launcher.standby import activation_file
 from launcher.supervisor import NODE_CHECK_INTERVAL, Supervisor
 from launcher.worker.events import StepCommitted, StepDiscarded, WorkerStarted
 from launcher.worker.identity import ENV_SECRET
+from tests.fakes.slurm import FakeSlurm
 
 pytestmark = pytest.mark.timeout(10)
 JOB = "100"
@@ -208,9 +208,8 @@ def test_a_replica_the_quorum_lost_is_replaced_before_the_lost_timeout(loop):
     run.commit(0, 1)                   # the survivors go on without it
     assert run.poll(0.2) is None       # well inside LOST
     drains = [c for c in run.slurm.calls if c[0] == "set_node_state"]
-    assert drains == [("set_node_state", "n2", "drain",
-                       "ft: the quorum of replica 0 lost replica 2, and replica 0 trained on "
-                       "without it")]
+    reason = "ft: the quorum of replica 0 lost replica 2, and replica 0 trained on without it"
+    assert drains == [("set_node_state", "n2", "drain", reason)]
     assert run.supervisor.state.run.replica(2).nodes == ("s1",)
 
 

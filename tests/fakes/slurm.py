@@ -17,11 +17,11 @@ import subprocess
 from collections.abc import Iterable, Mapping
 from typing import cast
 
-from ..errors import SlurmCommandError
-from ..ids import StepRef
-from .commands import StepSpec
-from .parse import JobInfo, NodeInfo, ReservationInfo, StepInfo
-from .states import JobState, NodeState
+from ftcore.errors import SlurmCommandError
+from ftcore.ids import StepRef
+from ftcore.slurm.commands import StepSpec
+from ftcore.slurm.parse import JobInfo, NodeInfo, ReservationInfo, StepInfo
+from ftcore.slurm.states import JobState, NodeState
 
 
 class FakeStep:
