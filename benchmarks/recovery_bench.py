@@ -16,7 +16,8 @@ node (its slurmd and every process on it) at the same step.
 Measured from the replicas' commit events: *no progress* = the longest time
 after the crash in which no replica committed a step; *full strength* = crash
 -> first step committed by all 3 replicas again; *lost steps* = committed steps
-whose work was thrown away (redone after a rollback to a checkpoint).
+whose work was thrown away (redone after a rollback to a checkpoint); *replica
+back* = crash -> the lost replica's first commit again (on its new node).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from launcher.worker.events import StepCommitted
 from tests.cluster import labcluster
 
 TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"
+LOST_REPLICA = 1            # the replica whose node is killed
 FAST = ["FTL_QUORUM_MEMBER_TIMEOUT=2", "FTL_QUORUM_JOIN_TIMEOUT=1",
         "FTL_RECOVERY_LOST_TIMEOUT=5"]
 
@@ -85,8 +87,10 @@ def measure(run_dir: Path, killed_at: float, replicas: int) -> dict[str, float]:
         if e.step > last_before and len(by_step[e.step]) == replicas and e.contributors == replicas:
             full = e.time - killed_at
             break
+    back = next((e.time - killed_at for e in after if e.replica_id == LOST_REPLICA), float("nan"))
     return {"no_progress_s": round(no_progress, 3),
             "full_strength_s": round(full if full is not None else float("nan"), 3),
+            "replica_back_s": round(back, 3),
             "lost_steps": lost_steps(events)}
 
 
@@ -141,7 +145,7 @@ def kill_and_measure(job: str, run_dir: Path, args: argparse.Namespace) -> dict[
     wait_for(lambda: len(commits(run_dir)) == 3 and
              min(max((e.step for e in v), default=-1) for v in commits(run_dir).values())
              >= args.kill_step, 600, f"job {job} to reach step {args.kill_step}")
-    node = victim_node(run_dir, 1)
+    node = victim_node(run_dir, LOST_REPLICA)
     labcluster.kill_node(node)
     killed_at = time.time()
     try:
@@ -172,6 +176,8 @@ def main() -> int:
         "requeue_no_progress_s": requeue["no_progress_s"],
         "ratio": round(requeue["no_progress_s"] / ftl["no_progress_s"], 2),
         "ftlaunch_full_strength_s": ftl["full_strength_s"],
+        "kill_to_replica_back_s": ftl["replica_back_s"],
+        "requeue_kill_to_replica_back_s": requeue["replica_back_s"],
         "requeue_full_strength_s": requeue["full_strength_s"],
         "lost_steps_ftlaunch": ftl["lost_steps"],
         "lost_steps_requeue": requeue["lost_steps"],
@@ -179,7 +185,7 @@ def main() -> int:
         "persist_every": args.persist_every, "output": str(out),
     }
     print(f"{'':24s} {'ft-launch':>10s} {'requeue':>10s}")
-    for key in ("no_progress_s", "full_strength_s", "lost_steps"):
+    for key in ("no_progress_s", "full_strength_s", "replica_back_s", "lost_steps"):
         print(f"{key:24s} {ftl[key]:>10} {requeue[key]:>10}")
     print(f"no-progress ratio (requeue / ft-launch): {summary['ratio']}x")
     if args.json:

@@ -17,6 +17,8 @@ The wait is bounded by the step: the controller cancels unused standbys.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import logging
 import os
@@ -79,10 +81,42 @@ def is_python(command: list[str]) -> bool:
         and command[1].endswith(".py")
 
 
+#: imported lazily by most FSDP2 training scripts (the first ``fully_shard`` pulls in
+#: DTensor, and its first call dynamo: seconds of a promotion otherwise), and the
+#: worker runtime
+WARM_MODULES = ("torch", "torch.distributed", "torch.distributed.fsdp",
+                "torch.distributed.tensor", "torch._dynamo", "launcher.worker.torch_api")
+
+
+def script_imports(script: Path) -> list[str]:
+    """The absolute modules ``script`` imports at its top level, found by parsing it
+    (never running it): importing them later finds them already loaded."""
+    try:
+        tree = ast.parse(script.read_bytes(), filename=str(script))
+    except (OSError, SyntaxError, ValueError):
+        return []           # the script itself will say what is wrong when it runs
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
 def warm_up(command: list[str]) -> None:
-    """Import what a PyTorch training script imports first (the slow part of a start)."""
-    if is_python(command):
-        import torch  # noqa: F401  (warm: kept for the in-process run)
+    """Import what a PyTorch training script imports (the slow part of a start): the
+    usual torch modules and the script's own top-level imports. The script's folder
+    goes first on the path, as ``python script.py`` puts it."""
+    if not is_python(command):
+        return
+    script = Path(command[1])
+    sys.path.insert(0, str(script.resolve().parent))
+    for name in (*WARM_MODULES, *script_imports(script)):
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # noqa: BLE001  (the script meets it again, and says so)
+            log.info("standby: could not import %s ahead of the script: %s", name, error)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,6 +130,20 @@ class Manager:
         gathered = self._group.all_gather(mine)
         self._endpoints = ReplicaEndpoints(tuple(tuple(g[0]) for g in gathered),   # type: ignore[misc]
                                           tuple(tuple(g[1]) for g in gathered))   # type: ignore[misc]
+        # before the quorum agent starts: its callbacks read the step's plan
+        self._quorum_id: int | None = None
+        self._work = StepWork()
+        self._plan_ready = threading.Event()
+        self._started = False
+        self._exchanged = False
+        self._plan: StepPlan | None = None
+        # the last quorum's members: a step's plan is cleared when it starts, and the
+        # lowest of these saves the state when the controller is lost (controller_loss)
+        self._last_members: tuple[int, ...] = ()
+        self._catch_up: Any = None
+        self._contribution: StepContribution | None = None
+        self._error: BaseException | None = None
+        self._in_gradient_allreduce = False
         self._agent: QuorumAgent | None = None
         if identity.rank == 0:
             directory = FileDirectory(run_dir / "peers", identity.secret, identity.job_id)
@@ -145,19 +159,6 @@ class Manager:
                                                  config.runtime.controller_timeout,
                                                  on_lost=self._end_if_stuck).start()
                            if identity.rank == 0 and identity.heartbeat is not None else None)
-        self._quorum_id: int | None = None
-        self._work = StepWork()
-        self._plan_ready = threading.Event()
-        self._started = False
-        self._exchanged = False
-        self._plan: StepPlan | None = None
-        # the last quorum's members: a step's plan is cleared when it starts, and the
-        # lowest of these saves the state when the controller is lost (controller_loss)
-        self._last_members: tuple[int, ...] = ()
-        self._catch_up: Any = None
-        self._contribution: StepContribution | None = None
-        self._error: BaseException | None = None
-        self._in_gradient_allreduce = False
         self._restore_persistent()
         self._events.emit(WorkerStarted(replica_id=identity.replica_id, rank=identity.rank,
                                        next_step=self._next_step))

@@ -192,6 +192,9 @@ def test_killed_replica_node_is_replaced_by_the_warm_standby(training, slurm_clu
     assert promoted.replica_id == victim_replica and promoted.node != victim
     (info,) = slurm_cluster.slurm.nodes((victim,))
     assert info.drained and info.reason.startswith("ft: ")   # health.drain's one format
+    # found by the survivors' quorum (quorum.member_timeout), not recovery.lost_timeout
+    (fault,) = run.events(controller_events.NodeFaultDetected)
+    assert fault.node == victim and f"lost replica {victim_replica}" in fault.reason, fault
     summary = run.finish()
     rejoined = [e for e in commits(run.run_dir)[victim_replica] if e.caught_up]
     assert rejoined and rejoined[0].step > step_at_kill
