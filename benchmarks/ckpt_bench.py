@@ -2,7 +2,8 @@
 
     python benchmarks/ckpt_bench.py [--json FILE] [--batch 256] [--pairs 10] [--steps 3]
         [--variants resident,lazy,lazy-nohelp,eager-crc,eager-sum64] [--backup-pairs 4]
-        [--overhead-only]
+        [--backup-every 0,10,25,50] [--backup-every-pairs 3]
+        [--backup-optimizers adam,resident] [--backup-only] [--overhead-only]
 
 A CPU training loop (~100M-parameter MLP + Adam) runs with and without a
 snapshot every step in interleaved runs, each snapshot run between two plain
@@ -11,7 +12,8 @@ step's state into the snapshot buffer instead of having it copied; ``lazy``:
 torch's Adam and a copy in a background thread, the path for any optimizer);
 samples taken while other processes used the shared CPUs are set aside
 (see ``snapshot_overhead``); the same again with each snapshot pushed to a
-backup peer (``backup_cost``). Then the same state is fetched over HTTP (against
+backup peer (``backup_cost``), and pushed only every k steps (``backup_every_cost``:
+what chooses ``ckpt.backup_every``). Then the same state is fetched over HTTP (against
 a raw-socket transfer of the same bytes), written to HDF5 (against
 torch.save), and restored from each tier. Figures on a shared 2-core machine
 are noisy: compare ratios taken in one run, not absolute times.
@@ -79,6 +81,7 @@ class Trainer:
         self.y = torch.randn(batch, width)
         self.step_index = 0
         self.params = sum(p.numel() for p in self.model.parameters())
+        self.last_drain_s = 0.0  # the last run's wait for its backup push (untimed there)
 
     def run(self, steps: int, snapshotter: DualBufferSnapshotter | None) -> list[float]:
         """Step times; baseline and snapshot runs differ only in the two snapshot calls."""
@@ -97,8 +100,11 @@ class Trainer:
             times.append(time.perf_counter() - started)
         if snapshotter is not None:
             snapshotter.wait_complete()  # untimed: the next run starts with nothing running
+        self.last_drain_s = 0.0
         if isinstance(snapshotter, BackedUpSnapshotter):
+            drained = time.perf_counter()
             snapshotter.drain()
+            self.last_drain_s = time.perf_counter() - drained
         return times
 
     def source(self) -> TorchStateSource:
@@ -122,7 +128,9 @@ class ForeignLoad:
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._wall
-        foreign = (_busy_seconds() - self._busy) - (_own_seconds() - self._own)
+        #: CPU seconds this process (every thread of it) used meanwhile
+        self.own = _own_seconds() - self._own
+        foreign = (_busy_seconds() - self._busy) - self.own
         self.share = max(foreign, 0.0) / (wall * (os.cpu_count() or 1))
 
 
@@ -318,23 +326,27 @@ def copy_floor(nbytes: int, reps: int = 5) -> dict[str, float]:
 
 
 class BackedUpSnapshotter(DualBufferSnapshotter):
-    """Snapshots every step, each pushed to a backup peer as it completes (``backup_every`` 1).
+    """Snapshots every step, each ``every``-th pushed to a backup peer as it completes.
 
     The peer is a state server in this process: on a cluster every rank both
     sends its backup and receives another rank's, so one process doing both is
     what each node pays per step.
     """
 
-    def __init__(self, peer: Peer, nice: int) -> None:
+    def __init__(self, peer: Peer, nice: int, every: int = 1) -> None:
         super().__init__(worker_nice=nice)
-        self.sender = BackupSender(self.buffers, peer, SECRET, rank=0, every=1,
+        self.every = every
+        self.sender = BackupSender(self.buffers, peer, SECRET, rank=0, every=every,
                                    poll_interval=0.05).start()
 
     def drain(self) -> None:
-        """Wait until the newest snapshot was pushed (untimed, between runs)."""
+        """Wait until the newest snapshot due for a push was pushed (between runs)."""
         latest = self.latest_step()
-        if latest is not None and not self.sender.wait_sent(latest, DEFAULTS.fetch_timeout):
-            print(f"  backup of step {latest} not sent within {DEFAULTS.fetch_timeout} s",
+        if latest is None:
+            return
+        due = latest - latest % self.every
+        if not self.sender.wait_sent(due, DEFAULTS.fetch_timeout):
+            print(f"  backup of step {due} not sent within {DEFAULTS.fetch_timeout} s",
                   flush=True)
 
 
@@ -380,6 +392,145 @@ def push_seconds(trainer: Trainer, snapshotter: BackedUpSnapshotter, peer: Peer
     done = time.perf_counter()
     return {"crc32_s": checksummed - started, "transfer_s": done - checksummed,
             "total_s": done - started}
+
+
+#: Intervals for which ``push_cpu_cost`` gives the share of training CPU the pushes take.
+PUSH_SHARE_EVERY = (1, 5, 10, 25, 50, 100)
+
+
+def push_cpu_cost(trainer: Trainer, reps: int = 3) -> dict[str, Any]:
+    """CPU seconds of one push (this process: the sender's CRC-32s on first use and
+    SHA-256, the socket, the peer's SHA-256 and verification) against the CPU
+    seconds of one training step, each the median of ``reps``.
+
+    On a CPU trainer, whose steps keep every core busy, a push's CPU is taken from
+    training: ``push_cpu / (k * step_cpu)`` is what pushing every k steps costs it.
+    CPU time is what other tenants' load inflates least (wall time doubles when
+    they take a core), so this is the figure ``ckpt.backup_every`` is chosen by;
+    ``backup_every_cost`` times it in training, where the machine is quiet enough.
+    """
+    steps, pushes = [], []
+    for _ in range(reps):
+        before = _own_seconds()
+        trainer.run(1, None)
+        steps.append(_own_seconds() - before)
+    with StateServer(secret=SECRET, host="127.0.0.1", snapshots=DualBufferSnapshotter().buffers,
+                     backups=BackupStore()) as server:
+        snapshotter = DualBufferSnapshotter(worker_nice=0)
+        for _ in range(reps):
+            snapshotter.start(trainer.step_index, trainer.source())
+            snapshotter.wait_complete()
+            trainer.step_index += 1
+            before = _own_seconds()
+            with snapshotter.lease() as snap:      # CRC-32s computed here, on first use
+                push_backup(Peer(*server.address), SECRET, snap, source_rank=0)
+            pushes.append(_own_seconds() - before)
+        snapshotter.close()
+    push_cpu, step_cpu = median(pushes), median(steps)
+    return {"push_cpu_s": round(push_cpu, 3), "step_cpu_s": round(step_cpu, 3),
+            "pct_of_training_by_every": {str(k): round(100 * push_cpu / (k * step_cpu), 2)
+                                         for k in PUSH_SHARE_EVERY}}
+
+
+def backup_every_cost(trainer: Trainer, everies: list[int], pairs: int, steps: int,
+                      max_foreign: float, max_rounds: int, nice: int,
+                      backed: Trainer | None = None) -> dict[str, Any]:
+    """Step time with a snapshot every step and a push every k steps, against none.
+
+    ``backed``: the trainer of the backed-up runs (the same model with ResidentAdam,
+    the product's CPU optimizer), bound here to the backed-up snapshots; the runs
+    without snapshot train ``trainer`` (torch's Adam) as in ``snapshot_overhead``.
+
+    A push every k steps costs a few steps once every k steps, so the median step
+    hides it: a run here is ``max(steps, 3 k)`` steps and its figure the mean step
+    time, with the wait for the run's last push (``drain``) counted in. Runs
+    alternate A B A B ... (A: no snapshot) as in ``snapshot_overhead``; a sample is
+    clean when other processes took less than ``max_foreign`` of the CPUs in all
+    three runs. Per k: the median over clean samples (over all, if none).
+
+    Also the CPU seconds per step of this process (all its threads: training,
+    snapshot, sender, the peer's handler) against the plain runs' (``cpu_pct``):
+    the work a push adds, which other tenants' load does not inflate the way it
+    inflates wall time. Training keeps both cores of this machine busy, so on a
+    quiet machine the two agree closely.
+    """
+    results: dict[str, Any] = {}
+    backed = backed or trainer
+    with StateServer(secret=SECRET, host="127.0.0.1", snapshots=DualBufferSnapshotter().buffers,
+                     backups=BackupStore()) as server:
+        snapshotter = BackedUpSnapshotter(Peer(*server.address), nice)
+        if isinstance(backed.optimizer, ResidentAdam):
+            Residency(backed.model, backed.optimizer, snapshotter)
+        try:
+            for every in everies:
+                # 0: snapshots only, no push (the sender's interval set out of reach), in
+                # runs as long as the longest interval's: what the pushes add is the rest
+                length = max(steps, 3 * (every or max(everies)))
+                snapshotter.every = snapshotter.sender.every = every or 10**9
+                backed.run(min(snapshotter.every, length) + 1, snapshotter)  # buffers touched
+                failed, sent = snapshotter.sender.failed, snapshotter.sender.sent
+                waited = snapshotter.stats.claim_wait_seconds
+                results[str(every)] = figures = _paired_means(
+                    trainer, backed, snapshotter, length, pairs, max_foreign, max_rounds,
+                    f"every {every}" if every else "no push")
+                figures["failed"] = snapshotter.sender.failed - failed
+                # ResidentAdam's step waits for a push still reading the buffer it must
+                # write (up to resident.READER_WAIT, then it copies the state aside)
+                pushes = snapshotter.sender.sent - sent
+                figures["resident_wait_s_per_push"] = (
+                    round((snapshotter.stats.claim_wait_seconds - waited) / pushes, 3)
+                    if pushes else 0.0)
+        finally:
+            snapshotter.sender.close()
+    return results
+
+
+def _paired_means(trainer: Trainer, backed: Trainer, snapshotter: BackedUpSnapshotter,
+                  steps: int, pairs: int, max_foreign: float, max_rounds: int, label: str
+                  ) -> dict[str, Any]:
+    def mean_run(with_snapshots: bool) -> tuple[Run, float]:
+        who = backed if with_snapshots else trainer
+        with ForeignLoad() as load:
+            times = who.run(steps + 1, snapshotter if with_snapshots else None)[1:]
+            total = sum(times) + who.last_drain_s
+        return Run(total / len(times), load.share), load.own / (len(times) + 1)
+
+    clean: list[float] = []
+    every: list[float] = []
+    cpu: list[float] = []
+    before, before_cpu = mean_run(False)
+    for round_index in range(max_rounds):
+        (with_backup, backed_cpu), (after, after_cpu) = mean_run(True), mean_run(False)
+        pct = 100 * (with_backup.step_s / ((before.step_s + after.step_s) / 2) - 1)
+        cpu.append(100 * (backed_cpu / ((before_cpu + after_cpu) / 2) - 1))
+        quiet = max(before.foreign, with_backup.foreign, after.foreign) < max_foreign
+        every.append(pct)
+        if quiet:
+            clean.append(pct)
+        print(f"  round {round_index} {label:<9} plain {before.step_s:.3f}/{after.step_s:.3f} s"
+              f"  backed up {with_backup.step_s:.3f} s  {pct:+6.1f}%  (cpu {cpu[-1]:+6.1f}%)"
+              f"  other load {100 * max(before.foreign, with_backup.foreign, after.foreign):3.0f}%"
+              f"{'' if quiet else '  (not counted)'}", flush=True)
+        before, before_cpu = after, after_cpu
+        if len(clean) >= pairs:
+            break
+    figures = spread(clean if clean else every)
+    return {"pct": figures["median"], "clean": spread(clean), "all": spread(every),
+            "cpu_pct": spread(cpu)["median"], "cpu": spread(cpu), "steps_per_run": steps}
+
+
+def backup_every_summary(by_every: dict[str, Any] | None, resident: bool = False
+                         ) -> dict[str, Any]:
+    if not by_every:
+        return {}
+    # Snapshot every step + a push every k steps, against no snapshot at all; with
+    # ResidentAdam (the product's CPU optimizer) or torch's Adam (copied snapshots).
+    key = "backup_resident_overhead_pct_by_every" if resident else "backup_overhead_pct_by_every"
+    return {key: {k: v["pct"] for k, v in by_every.items()},
+            f"{key.replace('_pct_', '_cpu_pct_')}": {k: v["cpu_pct"]
+                                                     for k, v in by_every.items()},
+            # The product's default interval, chosen from these figures (CkptConfig).
+            "backup_every_default": DEFAULTS.backup_every}
 
 
 # ---------------------------------------------------------------------- transfers
@@ -493,7 +644,7 @@ def restore_times(snapshotter: DualBufferSnapshotter, root: Path) -> dict[str, f
         peer = Peer(*server.address)
         with snapshotter.lease() as snap:
             push_backup(peer, SECRET, snap, source_rank=0)
-        tiers: list[Tier] = [MemoryTier(snapshotter.buffers), PeerTier(peer, SECRET, rank=0),
+        tiers: list[Tier] = [MemoryTier(snapshotter.buffers), PeerTier.of(peer, SECRET, rank=0),
                              DiskTier(local, TierKind.LOCAL_DISK),
                              DiskTier(persistent, TierKind.PERSISTENT)]
         into = np.empty(manifest.total_bytes, dtype=np.uint8)
@@ -541,6 +692,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backup-pairs", type=int, default=4,
                         help="clean paired samples of snapshot + peer backup every step "
                              "(0: do not measure the backup)")
+    parser.add_argument("--backup-every", default="0,10,25,50",
+                        help="push intervals (steps) whose cost to measure, comma-separated; "
+                             "0: snapshots without pushes, the reference (empty: none)")
+    parser.add_argument("--backup-every-pairs", type=int, default=3,
+                        help="clean paired samples per push interval")
+    parser.add_argument("--backup-optimizers", default="adam",
+                        help="optimizers the push intervals are measured with, comma-separated: "
+                             "adam (torch's, copied snapshots), resident (ResidentAdam, the "
+                             "product's CPU optimizer)")
+    parser.add_argument("--backup-only", action="store_true",
+                        help="measure the peer backup (every step and every k) and stop")
     parser.add_argument("--overhead-only", action="store_true",
                         help="measure the snapshot overhead and stop")
     parser.add_argument("--no-checksums", action="store_true",
@@ -550,6 +712,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
+    unknown = [v for v in args.backup_optimizers.split(",") if v not in ("adam", "resident")]
+    if unknown:
+        parser.error(f"unknown --backup-optimizers {unknown}; valid: adam, resident")
     return args
 
 
@@ -557,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trainer = Trainer(args.width, args.layers, args.batch)
     trainer.run(2, None)  # Adam's state exists from here on
+    if args.backup_only:
+        return backup_main(args, trainer)
     variants = {name: VARIANTS[name](args.worker_nice) for name in args.variants.split(",")}
     trainers = {}
     if RESIDENT in variants:
@@ -582,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer, args.backup_pairs, args.steps, args.max_foreign,
         args.max_rounds or 3 * args.backup_pairs, args.worker_nice))
         if args.backup_pairs else None)
+    by_every, by_every_resident = measure_backup_every(args, trainer)
     fetch = timed("fetch vs raw socket", lambda: fetch_rates(snapshotter, args.reps))
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         write = timed("persistent write", lambda: write_rates(trainer, snapshotter, Path(tmp),
@@ -603,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch_save_GBps": round(write["torch_save"], 3),
         "hdf5_vs_torch_save": round(write["ratio"], 3),
         **backup_summary(backup),
+        **backup_every_summary(by_every),
+        **backup_every_summary(by_every_resident, resident=True),
         # Seconds to restore the whole state from each tier alone, nearest first.
         **{f"restore_{tier.replace(' ', '_')}_s": round(seconds, 3)
            for tier, seconds in restore.items()},
@@ -617,12 +787,66 @@ def main(argv: list[str] | None = None) -> int:
         "safetensors_GBps": None,  # safetensors is not installed here
         "restore_seconds": {k: round(v, 3) for k, v in restore.items()},
         "backup": backup,
+        "backup_every": by_every,
+        "backup_every_resident": by_every_resident,
     }
     print_overhead(overhead, rates)
     print_table(summary, details)
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "details": details}, indent=2))
     return 0
+
+
+def measure_backup_every(args: argparse.Namespace, trainer: Trainer
+                         ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``backup_every_cost`` for each ``--backup-every`` interval, with each of
+    ``--backup-optimizers``: torch's Adam, ResidentAdam."""
+    everies = [int(k) for k in args.backup_every.split(",") if k.strip()]
+    optimizers = set(args.backup_optimizers.split(","))
+    if not everies:
+        return None, None
+
+    def measure(backed: Trainer | None) -> dict[str, Any]:
+        return backup_every_cost(trainer, everies, args.backup_every_pairs, args.steps,
+                                 args.max_foreign, args.max_rounds or 3 * args.backup_every_pairs,
+                                 args.worker_nice, backed)
+
+    lazy = (timed("peer backup every k steps, torch Adam (paired runs)", lambda: measure(None))
+            if "adam" in optimizers else None)
+    resident = (timed("peer backup every k steps, ResidentAdam (paired runs)", lambda: measure(
+        Trainer(args.width, args.layers, args.batch, resident=True)))
+        if "resident" in optimizers else None)
+    return lazy, resident
+
+
+def backup_main(args: argparse.Namespace, trainer: Trainer) -> int:
+    """``--backup-only``: the peer-backup figures alone (what ``ckpt.backup_every``
+    is chosen from), without the snapshot variants, transfers and tiers."""
+    backup = (timed("peer backup every step (paired runs)", lambda: backup_cost(
+        trainer, args.backup_pairs, args.steps, args.max_foreign,
+        args.max_rounds or 3 * args.backup_pairs, args.worker_nice))
+        if args.backup_pairs else None)
+    by_every, by_every_resident = measure_backup_every(args, trainer)
+    push = timed("one push's CPU against a step's", lambda: push_cpu_cost(trainer, args.reps))
+    summary = {**backup_summary(backup), **backup_every_summary(by_every),
+               **backup_every_summary(by_every_resident, resident=True),
+               **push_cpu_summary(push)}
+    details = {"params": trainer.params, "batch": args.batch, "worker_nice": args.worker_nice,
+               "max_foreign": args.max_foreign, "backup": backup, "backup_every": by_every,
+               "backup_every_resident": by_every_resident, "push_cpu": push}
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "details": details}, indent=2))
+    return 0
+
+
+def push_cpu_summary(push: dict[str, Any]) -> dict[str, Any]:
+    return {
+        # CPU seconds of one push (both ends) and of one training step.
+        "backup_push_cpu_s": push["push_cpu_s"], "train_step_cpu_s": push["step_cpu_s"],
+        # A push every k steps, as a share of the training CPU it takes (see push_cpu_cost).
+        "backup_push_cpu_pct_by_every": push["pct_of_training_by_every"],
+    }
 
 
 def backup_summary(backup: dict[str, Any] | None) -> dict[str, Any]:
@@ -708,7 +932,10 @@ def print_table(summary: dict[str, Any], details: dict[str, Any]) -> None:
          f"{summary['backup_skipped_snapshots_per_step']}"),
         ("one push of a fresh snapshot (CRC-32 on first use)",
          f"{summary['backup_push_s']:.2f} s ({summary['backup_push_crc32_s']:.2f} s CRC)"),
-    ] if "backup_overhead_pct" in summary else []) + [(f"restore from {tier}", f"{seconds:.2f} s")
+    ] if "backup_overhead_pct" in summary else []) + [
+        (f"snapshot every step + peer backup every {k} steps (mean, clean pairs)",
+         f"{pct:+.2f}%") for k, pct in summary.get("backup_overhead_pct_by_every", {}).items()
+    ] + [(f"restore from {tier}", f"{seconds:.2f} s")
          for tier, seconds in details["restore_seconds"].items()]
     width = max(len(name) for name, _ in rows)
     print()

@@ -14,6 +14,9 @@ Measured:
 * ``over_eviction_accuracy``: randomised hang (SIGSTOP, stuck) and fail-slow
   injections through py-spy stack aggregation; a trial is right when the evicted
   nodes include the faulty one and stay within its pipeline (PP) group.
+* ``hang_diagnose_s``: the product (``benchmarks/hang_diagnosis.py``): in a real
+  ``ft-launch run`` on the lab cluster one rank deadlocks -> the controller's hang
+  diagnosis names it (None when the lab cluster is not up, or not as root).
 
 ``python benchmarks/detection_bench.py [--trials 24] [--seed 1] [--json FILE]``
 """
@@ -336,7 +339,17 @@ def kill_trial(h: Harness) -> float:
     return time.monotonic() - start
 
 
+def product_hang() -> dict[str, Any] | None:
+    """``hang_diagnosis.measure`` when the lab cluster is up and we are root."""
+    from tests.cluster import labcluster
+    if os.geteuid() != 0 or labcluster.current_state() is None:
+        return None
+    from benchmarks.hang_diagnosis import measure
+    return measure()
+
+
 def run(trials: int, seed: int) -> dict[str, Any]:
+    hang = product_hang()
     h = Harness(seed)
     details: list[dict[str, Any]] = []
     try:
@@ -364,10 +377,12 @@ def run(trials: int, seed: int) -> dict[str, Any]:
         "nan_detect_steps": nan_steps,
         "over_eviction_accuracy": round(sum(t["correct"] for t in details) / len(details), 4),
         "trials": len(details),
+        "hang_diagnose_s": hang["hang_diagnose_s"] if hang else None,
     }
     return {"summary": summary,
             "details": {"hang_detect_step_times_max": round(max(hang_steps), 2)
-                        if hang_steps else None, "trials": details}}
+                        if hang_steps else None, "trials": details,
+                        "hang_diagnosis": hang}}
 
 
 def main(argv: list[str] | None = None) -> int:

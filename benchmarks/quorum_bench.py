@@ -20,11 +20,16 @@ thread each) and replica 0, the only electable member (the others are
   spent per round (between rounds included: heartbeats go on).
 * messages per round: every message any agent sent during the measured
   rounds (joins, announcements, and the heartbeats/acks that fell inside),
-  divided by the number of rounds.
+  divided by the number of rounds; an announcement published once on the
+  leader's feed counts once (ZeroMQ copies it to each follower process).
 * failover: 5 members (one process each, default ``QuorumConfig``) run a step
   loop (``get_quorum``, then a 50 ms "step"); the leader's process is
   SIGKILLed; failover = time until every survivor has received a quorum
   without the old leader.
+* survivor stall (``summary.two_replica_survivor_stall_s``): 2 replicas and
+  a witness (the controller is one in a job), same step loop, the leader
+  SIGKILLed: the survivor's longest gap between quorums from the kill on
+  (target: ``member_timeout`` + one step).
 
 Hosting hundreds of agents per process means that a broadcast reaching them is
 verified and decoded once per process (the codec cache), as it would be once
@@ -36,6 +41,7 @@ per machine in a real job. Figures taken on a shared 2-core machine are noisy.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import statistics
@@ -63,6 +69,7 @@ from launcher.quorum import (
     QuorumFormed,
     Role,
 )
+from launcher.quorum.model import witness_ids
 from launcher.worker.protocol import ReplicaEndpoints
 
 JOB = "quorum-bench"
@@ -157,9 +164,11 @@ def _round(loop: AgentLoop, agents: list[QuorumAgent], addresses: dict[int, str 
             future = agent.request_quorum(step, address=addresses[agent.replica_id])
             future.add_done_callback(lambda _f: finished.append(time.monotonic()))
             futures.append(future)
+        issued_at.append(time.monotonic())
         issued.set()
 
     issued = threading.Event()
+    issued_at: list[float] = []
     time.sleep(max(0.0, t0 - time.monotonic()))
     loop.call_soon(request_all)
     issued.wait(timeout)
@@ -169,6 +178,7 @@ def _round(loop: AgentLoop, agents: list[QuorumAgent], addresses: dict[int, str 
     loop.call(lambda: None, timeout)
     got = [f.result() for f in futures if f.done() and f.exception() is None]
     return {"last": max(finished, default=float("inf")), "first": min(finished, default=0.0),
+            "issued": issued_at[0] if issued_at else float("nan"),
             "answered": len(finished), "quorum_ids": sorted({q.quorum_id for q in got}),
             "sizes": sorted({len(q.members) for q in got})}
 
@@ -333,11 +343,18 @@ def _quantile(values: list[float], q: float) -> float:
 # --------------------------------------------------------------------------- failover
 
 
-def failover_main(conn: Any, spec: HostSpec) -> None:
-    """One member in a step loop; reports every quorum it receives."""
-    agent = QuorumAgent(spec.hosted[0], range(spec.replicas),
+def failover_main(conn: Any, spec: HostSpec, witnesses: tuple[int, ...] = ()) -> None:
+    """One member in a step loop; reports every quorum it receives. A witness
+    (its id among ``witnesses``) only votes."""
+    me = spec.hosted[0]
+    agent = QuorumAgent(me, range(spec.replicas),
                         FileDirectory(spec.directory, spec.secret, JOB), spec.secret,
-                        QuorumConfig(), job_id=JOB).start()
+                        QuorumConfig(), job_id=JOB, witnesses=witnesses,
+                        electable=me not in witnesses).start()
+    if me in witnesses:
+        conn.send("witness")
+        conn.recv()  # until the coordinator ends it
+        return
     step = 0
     while True:
         try:
@@ -393,6 +410,60 @@ def measure_failover(members: int = 5) -> float:
         tmp.cleanup()
 
 
+# --------------------------------------------------------------------------- survivor stall
+
+
+def measure_survivor_stall(step_s: float = 0.05) -> dict[str, float]:
+    """2 replicas and a witness (as the controller is one), default timeouts, in a
+    step loop; the leader is SIGKILLed; the survivor's longest gap between two
+    quorums (a commit each) from the kill on, and its bound by the config:
+    ``member_timeout`` + one step."""
+    [witness] = witness_ids(1)
+    tmp = tempfile.TemporaryDirectory(prefix="quorum-survivor-")
+    secret = new_job_secret()
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for r in (0, 1, witness):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=failover_main, daemon=True,
+                           args=(theirs, HostSpec((r,), 2, secret, tmp.name), (witness,)))
+        proc.start()
+        pipes.append(ours)
+        procs.append(proc)
+    try:
+        reports: list[list[tuple[float, tuple[int, ...], bool]]] = [[], []]
+
+        def drain() -> None:
+            for i in (0, 1):
+                while procs[i].is_alive() and pipes[i].poll():
+                    reports[i].append(pipes[i].recv())
+
+        def steady() -> bool:
+            drain()
+            return all(len(r) >= 10 and r[-1][1] == (0, 1) for r in reports)
+
+        wait_for(steady, 120, 0.05)
+        leader = next(i for i, r in enumerate(reports) if r[-1][2])
+        survivor = 1 - leader
+        killed_at = time.monotonic()
+        procs[leader].kill()
+
+        def trained_alone() -> bool:
+            drain()
+            return sum(1 for t, ids, _ in reports[survivor]
+                       if t > killed_at and ids == (survivor,)) >= 10
+        wait_for(trained_alone, 60, 0.02)
+        times = [killed_at] + [t for t, _, _ in reports[survivor] if t > killed_at]
+        stall = max(b - a for a, b in itertools.pairwise(times))
+        bound = QuorumConfig().member_timeout + step_s
+        return {"stall_s": stall, "bound_s": bound}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(5)
+        tmp.cleanup()
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -420,11 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     failover = statistics.median(runs) if runs else float("nan")
     print(f"leader failover (5 members, default timeouts): median {failover:.2f} s, "
           f"runs {[round(r, 2) for r in runs]}")
+    stall = measure_survivor_stall()
+    print(f"2 replicas + a witness, the leader killed: the survivor's longest gap between "
+          f"quorums {stall['stall_s']:.2f} s (bound member_timeout + one step = "
+          f"{stall['bound_s']:.2f} s)")
     print(f"targets: 1,000 members p50 <= {TARGETS['p50_ms']:.0f} ms, "
           f"p99 <= {TARGETS['p99_ms']:.0f} ms; failover <= {TARGETS['failover_s']:.0f} s")
     if args.json:
         summary = {"failover_s": round(failover, 3), "failover_runs_s": [round(r, 3) for r in runs],
-                   "failover_members": 5}
+                   "failover_members": 5,
+                   "two_replica_survivor_stall_s": round(stall["stall_s"], 3),
+                   "two_replica_survivor_stall_bound_s": round(stall["bound_s"], 3)}
         args.json.write_text(json.dumps({"cases": cases, "summary": summary}, indent=2) + "\n")
     return 0
 

@@ -10,6 +10,7 @@ Modules (torch only in ``torch_state``; everything else needs numpy, h5py for
   the checksums computed when a snapshot is first used
 * ``serve`` / ``fetch``: the state server and its client (catch-up, backup push)
 * ``backup``: backups held for peers and the sender of our own
+* ``held``: those backups as files in a node-local tmpfs, outliving the process
 * ``persist``: the HDF5 tier
 * ``restore``: memory -> backup peer -> local disk -> persistent store
 * ``rank``: one rank's checkpointing wired together for the training loop

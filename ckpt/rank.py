@@ -7,7 +7,8 @@ The training loop calls three things::
     ckpt.after_optimizer_step(step, source)
 
 and, when behind, ``ckpt.catch_up(peers, step)`` then ``.result()`` at the
-commit point; after a restart, ``ckpt.restore_chain(...).restore(step)``.
+commit point; after a restart, ``ckpt.restore_chain(...).restore(step)``; at each
+new quorum, ``ckpt.route_backups(placement.route_backups(...))``.
 
 With FT-HSDP every replica holds the same state, so only one replica needs to
 write the persistent tier every ``persist_every`` steps: ``shard`` / ``shards`` are
@@ -28,8 +29,10 @@ from ftcore.events import EventLog
 from .backup import BackupSender, BackupStore
 from .dual import Allocator, numpy_allocator
 from .fetch import CatchUp, Peer
+from .held import HeldCopy, HeldFiles
 from .persist import Completeness, PersistBusyError, PersistentStore, ShardRecord
-from .restore import DiskTier, MemoryTier, PeerTier, RestoreChain, Tier, TierKind
+from .placement import BackupRoute
+from .restore import DiskTier, MemoryTier, PeerCopy, PeerTier, RestoreChain, Tier, TierKind
 from .serve import StateServer
 from .snapshot import DualBufferSnapshotter, StateSource
 
@@ -38,7 +41,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RankPlace:
-    """Where a rank sits: global rank, index and count of its shard in the replica."""
+    """Where a rank sits: global rank (``placement.global_rank``: its backups are
+    known by it), index and count of its shard in the replica."""
 
     rank: int
     world_size: int
@@ -51,12 +55,14 @@ class RankCheckpointer:
 
     Everything tunable comes from ``config`` (``[ckpt]``); the keyword arguments
     are what the config cannot know: where this rank's backup goes and whose
-    backups it holds (topology), how buffers are allocated (pinned for CUDA).
+    backups it holds (topology: given here, or by ``route_backups`` at each
+    quorum), where on this node held backups live as files (``held``: see
+    ``HeldFiles.open``), how buffers are allocated (pinned for CUDA).
     """
 
     def __init__(self, config: CkptConfig, place: RankPlace, *, secret: str, host: str,
                  persist: bool = True, backup_peer: Peer | None = None,
-                 accept_backups_from: Collection[int] = (),
+                 accept_backups_from: Collection[int] = (), held: HeldFiles | None = None,
                  allocator: Allocator = numpy_allocator, create_dirs: bool = True) -> None:
         self.config = config
         self.place = place
@@ -64,7 +70,8 @@ class RankCheckpointer:
         self.snapshots = DualBufferSnapshotter(rank=place.shard, world_size=place.shards,
                                                allocator=allocator,
                                                worker_nice=config.snapshot_nice)
-        self.backups = BackupStore(accept_from=accept_backups_from, allocator=allocator)
+        self.backups = BackupStore(accept_from=accept_backups_from, allocator=allocator,
+                                   files=held)
         self.server = StateServer(secret=secret, host=host, port=config.serve_port,
                                   snapshots=self.snapshots.buffers, backups=self.backups,
                                   max_wait=config.fetch_timeout,
@@ -75,10 +82,12 @@ class RankCheckpointer:
         self.persist_on_schedule = persist
         self.local = (self._store(config.local_dir, Completeness.OWN_SHARD, create_dirs)
                       if config.local_dir else None)
+        self._no_route = ""   # why the last quorum gave no backup rank (logged once)
+        # Started without a peer when the placement comes later (route_backups).
         self.sender = (BackupSender(self.snapshots.buffers, backup_peer, secret, rank=place.rank,
                                     every=config.backup_every,
                                     timeout=config.fetch_timeout).start()
-                       if config.peer_backup and backup_peer is not None else None)
+                       if config.peer_backup else None)
 
     def _store(self, root: str, completeness: Completeness, create: bool) -> PersistentStore:
         return PersistentStore(root, rank=self.place.shard, world_size=self.place.shards,
@@ -102,6 +111,11 @@ class RankCheckpointer:
         for store in scheduled:
             if store is not None and store.should_persist(step):
                 self._persist(store, step)
+
+    def snapshot_restored(self, step: int, source: StateSource) -> None:
+        """Snapshot a state just restored, before any step: this rank can serve it at
+        once (after every replica was lost, it may be the newest state anywhere)."""
+        self.snapshots.start(step, source)
 
     def persist_now(self, step: int | None = None
                     ) -> concurrent.futures.Future[ShardRecord] | None:
@@ -129,12 +143,37 @@ class RankCheckpointer:
         return CatchUp(peers, self._secret, step=step, timeout=self.config.fetch_timeout,
                        streams=self.config.fetch_streams).start()
 
+    def route_backups(self, route: BackupRoute) -> None:
+        """A new quorum's placement: push to its holder, take its sources' backups."""
+        if not self.config.peer_backup:
+            return
+        if route.send_to is None and route.why_none != self._no_route:
+            log.warning("rank %d has no backup rank under this quorum: %s", self.place.rank,
+                        route.why_none)
+        self._no_route = route.why_none
+        if self.sender is not None:
+            self.sender.retarget(Peer(*route.send_to) if route.send_to else None)
+        self.backups.accept(route.accept_from)
+
+    def held_copies(self) -> list[HeldCopy]:
+        """The backups held on this node (for a restart: ``restore.peer_copies``)."""
+        return self.backups.held_copies()
+
+    def discard_held(self) -> None:
+        """The run is over: free the backups held here (files included)."""
+        self.backups.discard()
+
     def restore_chain(self, backup_peer: Peer | None = None,
-                      events: EventLog | None = None) -> RestoreChain:
+                      events: EventLog | None = None,
+                      held: Sequence[PeerCopy] = ()) -> RestoreChain:
+        """``backup_peer``: this rank's backup rank, if alive; ``held``: copies of this
+        rank's shard that its replica's ranks found on their nodes."""
         tiers: list[Tier] = [MemoryTier(self.snapshots.buffers)]
+        copies = list(held)
         if backup_peer is not None:
-            tiers.append(PeerTier(backup_peer, self._secret, rank=self.place.rank,
-                                  timeout=self.config.fetch_timeout))
+            copies.insert(0, PeerCopy(backup_peer, self.place.rank))
+        if copies:
+            tiers.append(PeerTier(copies, self._secret, timeout=self.config.fetch_timeout))
         if self.local is not None:
             tiers.append(DiskTier(self.local, TierKind.LOCAL_DISK))
         tiers.append(DiskTier(self.persistent, TierKind.PERSISTENT))

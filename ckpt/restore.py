@@ -24,6 +24,7 @@ from ftcore.events import Event, EventLog
 from .dual import DualBuffer
 from .errors import NoCheckpointError
 from .fetch import Peer, fetch_manifest, fetch_state
+from .held import HeldCopy
 from .manifest import Bytes, Manifest, corrupt_tensors, nonfinite_tensors
 from .persist import PersistentStore
 from .wire import Route, RouteKind
@@ -145,26 +146,85 @@ class MemoryTier:
             return snap.manifest, buffer
 
 
+@dataclass(frozen=True)
+class PeerCopy:
+    """A backup of global rank ``source`` that the state server at ``peer`` holds, of
+    ``step`` (None: whichever is newest there, asked for when listed)."""
+
+    peer: Peer
+    source: int
+    step: int | None = None
+
+
 class PeerTier:
-    """The backup of this rank held by its backup rank."""
+    """Backups of this rank's shard held by other ranks' state servers: its own backup
+    rank's, or the copies a replica's ranks found on their nodes after a restart.
+
+    Any replica's copy of the same shard will do: every replica holds the same
+    state (FT-HSDP), and the chain checks the copy's shard and step anyway."""
 
     kind = TierKind.PEER
 
-    def __init__(self, peer: Peer, secret: str, *, rank: int,
+    def __init__(self, copies: Sequence[PeerCopy], secret: str, *,
                  timeout: float = _DEFAULTS.fetch_timeout) -> None:
-        self.peer = peer
-        self.rank = rank
+        self.copies = tuple(copies)
         self._secret = secret
         self._timeout = timeout
 
+    @staticmethod
+    def of(peer: Peer, secret: str, *, rank: int,
+           timeout: float = _DEFAULTS.fetch_timeout) -> PeerTier:
+        """The backup of global rank ``rank`` held by its backup rank ``peer``."""
+        return PeerTier([PeerCopy(peer, rank)], secret, timeout=timeout)
+
     def steps(self) -> list[int]:
-        route = Route(RouteKind.BACKUP_MANIFEST, self.rank)
-        return [fetch_manifest(self.peer, self._secret, route, self._timeout).step]
+        known = {c.step for c in self.copies if c.step is not None}
+        errors: list[FtError] = []
+        for copy in (c for c in self.copies if c.step is None):
+            try:
+                known.add(self._newest(copy).step)
+            except FtError as exc:
+                errors.append(exc)
+        if errors and not known:
+            raise errors[0]
+        return sorted(known)
 
     def load(self, step: int, buffer: Bytes | None = None) -> tuple[Manifest, Bytes]:
-        fetched = fetch_state(self.peer, self._secret, step=step, backup_of=self.rank,
-                              timeout=self._timeout, buffer=buffer)
-        return fetched.manifest, fetched.buffer
+        failures = []
+        for copy in self.copies:
+            if copy.step not in (None, step):
+                continue
+            try:
+                fetched = fetch_state(copy.peer, self._secret, step=step, backup_of=copy.source,
+                                      timeout=self._timeout, buffer=buffer)
+            except FtError as exc:
+                failures.append(f"{copy.peer} (backup of rank {copy.source}): {exc}")
+                continue
+            return fetched.manifest, fetched.buffer
+        raise NoCheckpointError(f"no backup peer gave step {step}", reasons=tuple(failures))
+
+    def _newest(self, copy: PeerCopy) -> Manifest:
+        route = Route(RouteKind.BACKUP_MANIFEST, copy.source)
+        return fetch_manifest(copy.peer, self._secret, route, self._timeout)
+
+
+def peer_copies(gathered: Sequence[tuple[str, Peer, Sequence[HeldCopy]]], shard: int
+                ) -> list[PeerCopy]:
+    """The copies of ``shard`` that a replica's ranks found on their nodes.
+
+    ``gathered``: per rank, in rank order, (its node, its state server, the copies
+    held on its node). Ranks on one node list the same files: the first of them
+    serves them. Pure.
+    """
+    seen: set[tuple[str, int, int]] = set()
+    copies = []
+    for node, server, held in gathered:
+        for copy in sorted(held, key=lambda c: (-c.step, c.source)):
+            key = (node, copy.source, copy.step)
+            if copy.shard == shard and key not in seen:
+                seen.add(key)
+                copies.append(PeerCopy(server, copy.source, copy.step))
+    return copies
 
 
 class DiskTier:

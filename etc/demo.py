@@ -8,6 +8,18 @@ catch-up), then the summary. Run by ``etc/demo.sh`` after the cluster is up;
 root only. ``--images DIR`` also saves the live view as it was when replica 1
 came back (``live-status.svg``) and the run's ``timeline.png`` there (the
 README's pictures, ``etc/img/``).
+
+Other faults of replica 1's node, each found, named, drained and replaced:
+
+* ``--fault hang`` deadlocks its rank 1 at that step (an injected fault: the process
+  lives, its peer waits in the commit vote): the controller takes both ranks' stacks
+  with py-spy before it cancels anything and names the rank and its node;
+* ``--fault sdc``: its GPU "corrupts" gradients from that step on (a NaN injected into
+  one rank's contribution): every replica discards those steps, and after
+  ``recovery.nonfinite_limit`` of them the node that computed the NaN goes;
+* ``--fault slow``: its training processes are throttled (SIGSTOP/SIGCONT bursts): the
+  replicas all slow down with it, but its own part of each step grows while the
+  others wait for it, and after ``recovery.slow_window`` steps it goes.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +40,9 @@ sys.path.insert(0, str(REPO))
 
 from rich.console import Console
 
+from launcher.events import NodeFaultDetected
 from launcher.reporting.live import StatusDisplay, status_view
+from launcher.reporting.runlog import controller_log
 from launcher.reporting.status import RunStatus
 from launcher.reporting.timeline import BandState
 from tests.cluster import labcluster
@@ -77,10 +92,30 @@ def save_live_view(status: RunStatus, path: Path) -> None:
     recorder.save_svg(str(path), title="ft-launch status --watch")
 
 
+#: faults injected through the job's environment, for the node of replica 1
+INJECTED = {"hang": f"hang@before_commit:{KILL_AT_STEP}/1",
+            "sdc": f"nan@gradients:{KILL_AT_STEP}+/1"}
+
+
+def pinned_placement() -> tuple[list[str], str]:
+    """For a fault set before the job starts: the job's nodes, pinned so that it lands
+    on replica 1's node: the batch host (the standby) comes first, then replicas 0, 1, 2."""
+    nodes = labcluster.require_state().nodes[:4]
+    return [f"--nodelist={','.join(nodes)}"], nodes[2]
+
+
+def found_fault(run_dir: Path) -> NodeFaultDetected | None:
+    return next((e for e in controller_log(run_dir) if isinstance(e, NodeFaultDetected)),
+                None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=Path, metavar="DIR",
                         help="save live-status.svg and timeline.png here")
+    parser.add_argument("--fault", choices=("kill", "hang", "sdc", "slow"), default="kill",
+                        help="kill replica 1's node (default), deadlock one of its ranks, "
+                             "corrupt its gradients or throttle it")
     args = parser.parse_args(argv)
     console = Console()
     out = Path(tempfile.mkdtemp(prefix="ftl-demo-"))
@@ -89,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"TASKS_PER_NODE={RANKS}",
                         f"FTL_RUN_LOG_DIR={runs}", "FTL_RECOVERY_LOST_TIMEOUT=5",
                         "FTL_QUORUM_MEMBER_TIMEOUT=2", "FTL_QUORUM_JOIN_TIMEOUT=1"])
-    submitted = labcluster.ctl_run(["sbatch", "--parsable", f"--chdir={REPO}",
+    pinned, victim = pinned_placement() if args.fault in INJECTED else ([], "")
+    if args.fault in INJECTED:
+        exports += f",FTL_WORKER_INJECT={INJECTED[args.fault]}@{victim}"
+    submitted = labcluster.ctl_run(["sbatch", "--parsable", f"--chdir={REPO}", *pinned,
                                     f"--output={out}/job.out", f"--export={exports}",
                                     str(REPO / "etc" / "examples" / "train.sbatch")])
     job_id = submitted.stdout.strip().split(";")[0]
@@ -97,15 +135,39 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"== submitted job {job_id}: 3 replicas of {RANKS} FSDP2 ranks + 1 warm "
                   f"standby; run directory {run_dir}", highlight=False)
     with StatusDisplay(run_dir, console, total_steps=STEPS) as display:
-        status = wait(training_past(KILL_AT_STEP), 300, f"training to pass step {KILL_AT_STEP}",
-                      display)
-        victim = next(r.nodes[0] for r in status.replicas if r.replica_id == 1)
-        display.note(f"== killing node {victim} (replica 1): its slurmd and every process on it")
-        labcluster.kill_node(victim)
-        killed_at = time.time()
+        if args.fault == "hang":
+            display.note(f"== at step {KILL_AT_STEP}, rank 1 of replica 1 (on {victim}) "
+                         "deadlocks before its commit: alive, silent, its peer waiting")
+            status = wait(lambda s: bool(s.diagnoses), 300, "the hang diagnosis", display)
+            killed_at = status.diagnoses[-1].time
+            display.note(f"== hang diagnosis: {status.diagnoses[-1].summary}; report "
+                         f"{status.diagnoses[-1].report}")
+        elif args.fault in ("sdc", "slow"):
+            status = wait(training_past(KILL_AT_STEP), 300,
+                          f"training to pass step {KILL_AT_STEP}", display)
+            victim = victim or next(r.nodes[0] for r in status.replicas if r.replica_id == 1)
+            display.note(f"== from step {KILL_AT_STEP}, node {victim} (replica 1) "
+                         + ("computes NaN gradients on rank 1" if args.fault == "sdc" else
+                            "is throttled: its training processes run 1/6 of the time"))
+            with labcluster.throttle_node(victim) if args.fault == "slow" else nullcontext():
+                wait(lambda s: found_fault(run_dir) is not None, 300,
+                     f"the controller to find {victim}", display)
+            fault = found_fault(run_dir)
+            assert fault is not None
+            killed_at = fault.time
+            display.note(f"== found: {fault.reason}")
+        else:
+            status = wait(training_past(KILL_AT_STEP), 300,
+                          f"training to pass step {KILL_AT_STEP}", display)
+            victim = next(r.nodes[0] for r in status.replicas if r.replica_id == 1)
+            display.note(f"== killing node {victim} (replica 1): its slurmd and every "
+                         "process on it")
+            labcluster.kill_node(victim)
+            killed_at = time.time()
         status = wait(rejoined(1), 120, "replica 1 to rejoin", display)
-        display.note(f"== replica 1 is back {time.time() - killed_at:.1f} s after the crash; "
-                     "training goes on to the end")
+        found = {"hang": "diagnosis", "kill": "crash"}.get(args.fault, "fault was found")
+        display.note(f"== replica 1 is back {time.time() - killed_at:.1f} s after the "
+                     f"{found}; training goes on to the end")
         if args.images:     # once it trains at speed again
             back = step_of(status, 1)
             status = wait(lambda s: step_of(s, 1) >= back + 10, 60, "replica 1 to go on",

@@ -2,17 +2,23 @@
 
 1. Normalise each training process's main-thread stack: our frames only
    (library frames such as ``zmq`` polls or ``threading`` waits are dropped, so
-   a wait that is sampled in ``poll`` or in ``recv`` reads the same), no line
-   numbers.
+   a wait that is sampled in ``poll`` or in ``recv`` reads the same; ft-launch's
+   own packages count as ours wherever they are installed), no line numbers.
 2. Group identical stacks; the largest group is taken as healthy; every other
    process is an outlier, and so is any stopped or unreadable process. When two
    groups tie for largest there is no healthy majority to compare against (a
-   sample taken mid-step): only stopped or unreadable processes count, and the
-   aggregation says it is ambiguous (the caller samples again).
+   sample taken mid-step, or a replica of two ranks): a process blocked in a
+   collective (``PEER_WAIT_MARKERS``, library frames included) waits for the
+   others, so where some do and some do not, the ones that do not are the
+   outliers (a rank of a hung pair deadlocked in its own code, while its peer
+   waits for it in the commit vote). Otherwise only stopped or unreadable
+   processes count, and the aggregation says it is ambiguous (the caller samples
+   again, or, for a hang, suspects every rank: ``hang_suspects``).
 3. Map the outliers onto the parallel groups of the topology (node, TP, PP, DP,
-   replica) and pick the group holding the most outliers, the smallest such
-   group on a tie: its nodes are evicted together (over-eviction: healthy
-   machines of that group go too, which is cheaper than finding the root cause).
+   replica; a group the layout does not have is left out) and pick the group
+   holding the most outliers, the smallest such group on a tie: its nodes are
+   evicted together (over-eviction: healthy machines of that group go too, which
+   is cheaper than finding the root cause).
 
 Fail-slow: run the aggregation once per round; the group chosen in most
 rounds is the one to evict (``FailSlowVote``).
@@ -23,11 +29,19 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from .stacks import ProcessStack, ThreadStack
+from .stacks import Frame, ProcessStack, ThreadStack
 
 GROUP_KINDS = ("node", "tp", "pp", "replica", "dp")   # preference on a tie, smallest first
 LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
+#: ft-launch's packages: ours even when installed into site-packages.
+OWN_PACKAGES = ("launcher", "ftar", "ckpt", "health", "ftcore", "slurm_plugins")
+_OWN_ROOT = Path(__file__).resolve().parents[1]
+OWN_PREFIXES = tuple(f"{_OWN_ROOT / package}/" for package in OWN_PACKAGES)
+#: A frame in one of these files is a wait for other processes (a collective, the
+#: cross-replica ring, the quorum).
+PEER_WAIT_MARKERS = ("/torch/distributed/", "/ftar/", "/launcher/quorum/", "/mpi4py/")
 
 
 @dataclass(frozen=True)
@@ -37,9 +51,9 @@ class RankPlace:
     rank: int
     node: str
     replica_id: int
-    dp_group: int = 0
-    tp_group: int = 0
-    pp_group: int = 0
+    dp_group: int | None = None      # None: the layout has no such group
+    tp_group: int | None = None
+    pp_group: int | None = None
 
 
 @dataclass(frozen=True, order=True)
@@ -62,6 +76,7 @@ class Aggregation:
     groups: tuple[StackGroup, ...]      # largest first; groups[0] is the healthy one
     outliers: tuple[int, ...]
     ambiguous: bool = False             # the largest groups tie: no healthy reference
+    waiting: tuple[int, ...] = ()       # ranks blocked waiting for other processes
 
     @property
     def majority(self) -> bool:
@@ -84,7 +99,24 @@ class EvictionDecision:
 
 
 def is_library(file: str) -> bool:
-    return any(marker in file for marker in LIBRARY_MARKERS)
+    return any(marker in file for marker in LIBRARY_MARKERS) and not file.startswith(
+        OWN_PREFIXES)
+
+
+def waits_on_peers(stack: ProcessStack) -> bool:
+    """Whether the main thread is blocked in a collective or another wait for peers."""
+    thread = main_thread(stack)
+    return not stack.error and thread is not None and any(
+        marker in f.file for f in thread.frames for marker in PEER_WAIT_MARKERS)
+
+
+def innermost_own_frame(stack: ProcessStack) -> Frame | None:
+    """Where the main thread is in our (or the training script's) code."""
+    thread = main_thread(stack)
+    if thread is None:
+        return None
+    return next((f for f in thread.frames if not is_library(f.file)),
+                thread.frames[0] if thread.frames else None)
 
 
 def main_thread(stack: ProcessStack) -> ThreadStack | None:
@@ -104,25 +136,32 @@ def signature(stack: ProcessStack) -> str:
 
 def aggregate(stacks: Mapping[int, ProcessStack]) -> Aggregation:
     """Group ranks by stack; outliers are every rank outside the largest group,
-    plus stopped or unreadable processes wherever they fall."""
+    plus stopped or unreadable processes wherever they fall. On a tie for largest,
+    the ranks that wait for peers are the healthy ones, if some do and some not."""
     by_signature: dict[str, list[int]] = {}
     for rank in sorted(stacks):
         by_signature.setdefault(signature(stacks[rank]), []).append(rank)
     groups = sorted((StackGroup(sig, tuple(ranks)) for sig, ranks in by_signature.items()),
                     key=lambda g: (-len(g.ranks), g.signature))
+    waiting = {rank for rank, stack in stacks.items() if waits_on_peers(stack)}
     ambiguous = len(groups) > 1 and len(groups[0].ranks) == len(groups[1].ranks)
-    healthy = set(groups[0].ranks) if groups and not ambiguous else set(stacks)
+    if ambiguous and waiting and waiting != set(stacks):
+        healthy, ambiguous = waiting, False
+    else:
+        healthy = set(groups[0].ranks) if groups and not ambiguous else set(stacks)
     outliers = {rank for rank in stacks if rank not in healthy
                 or stacks[rank].stopped or stacks[rank].error}
-    return Aggregation(tuple(groups), tuple(sorted(outliers)), ambiguous)
+    return Aggregation(tuple(groups), tuple(sorted(outliers)), ambiguous,
+                       tuple(sorted(waiting)))
 
 
 def parallel_groups(topology: Iterable[RankPlace]) -> dict[GroupKey, list[RankPlace]]:
     groups: dict[GroupKey, list[RankPlace]] = {}
     for place in topology:
-        keys = (GroupKey("node", place.node), GroupKey("tp", str(place.tp_group)),
-                GroupKey("pp", str(place.pp_group)), GroupKey("replica", str(place.replica_id)),
-                GroupKey("dp", str(place.dp_group)))
+        keys = [GroupKey("node", place.node), GroupKey("replica", str(place.replica_id))]
+        keys += [GroupKey(kind, str(group)) for kind, group in (
+            ("tp", place.tp_group), ("pp", place.pp_group), ("dp", place.dp_group))
+            if group is not None]
         for key in keys:
             groups.setdefault(key, []).append(place)
     return groups
@@ -155,6 +194,15 @@ def diagnose(stacks: Mapping[int, ProcessStack],
              topology: Sequence[RankPlace]) -> tuple[Aggregation, EvictionDecision | None]:
     found = aggregate(stacks)
     return found, choose_eviction(found.outliers, topology)
+
+
+def hang_suspects(stacks: Mapping[int, ProcessStack], topology: Sequence[RankPlace]
+                  ) -> tuple[Aggregation, EvictionDecision | None]:
+    """For a group of ranks known to be hung: the outliers' group, or, when the stacks
+    single none out (all alike, or no way to tell), every rank: the smallest group
+    holding them all is evicted (over-eviction rather than a guess)."""
+    found = aggregate(stacks)
+    return found, choose_eviction(found.outliers or tuple(stacks), topology)
 
 
 class FailSlowVote:

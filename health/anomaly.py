@@ -133,3 +133,52 @@ class MetricAnomalyDetector:
                             value)]
         baseline = spikes.observe(abs(value))
         return [] if baseline is None else [Anomaly(spike_kind, step, value, baseline)]
+
+
+@dataclass(frozen=True)
+class SlowPeer:
+    """A peer whose own step time stays an outlier: medians over the window."""
+
+    peer: int
+    own_s: float
+    peers_s: float
+    steps: int
+
+    def describe(self) -> str:
+        return (f"took {self.own_s / self.peers_s:.1f}x as long as its peers for its own "
+                f"part of a step ({self.own_s:.3g} s against {self.peers_s:.3g} s, medians "
+                f"of {self.steps} steps)")
+
+
+class PeerSlowdownDetector:
+    """Fail-slow among peers that step in lockstep (FT-HSDP replicas). Every peer's
+    step takes as long as the slowest's, so step times alone name nobody; each peer's
+    *own* time (its step minus what it waited for the others) does. A peer whose
+    median own time over ``window`` steps exceeds ``factor`` x the median of the
+    other peers' medians is reported, once; its history starts again after that
+    (and after ``forget``, when it is relaunched)."""
+
+    def __init__(self, factor: float = 2.0, window: int = 30) -> None:
+        self.factor = factor
+        self.window = window
+        self._own: dict[int, deque[float]] = {}
+
+    def observe(self, peer: int, own_s: float) -> SlowPeer | None:
+        if not math.isfinite(own_s) or own_s < 0:
+            return None
+        history = self._own.setdefault(peer, deque(maxlen=self.window))
+        history.append(own_s)
+        if len(history) < self.window:
+            return None
+        others = [statistics.median(h) for p, h in self._own.items()
+                  if p != peer and len(h) == self.window]
+        if not others:
+            return None
+        mine, baseline = statistics.median(history), statistics.median(others)
+        if baseline <= 0 or mine <= self.factor * baseline:
+            return None
+        self.forget(peer)
+        return SlowPeer(peer, mine, baseline, self.window)
+
+    def forget(self, peer: int) -> None:
+        self._own.pop(peer, None)

@@ -7,15 +7,20 @@ default mode (it fails with "Failed to suspend process"); it is read with
 a timeout; a process that cannot be read at all is kept with its error, which
 the aggregation counts as an outlier.
 
-``python -m health.stacks --job JOB`` captures every process of a Slurm job on
-this node (found by ``SLURM_JOB_ID`` and ``SLURM_PROCID`` in its environment)
-and prints JSON: run it with ``srun --overlap`` on each node of a replica.
+``python -m health.stacks --pid PID... --out FILE`` captures the given processes
+of this node and writes JSON (atomically; without ``--out``: to stdout); ``--job
+JOB`` instead captures every process of a Slurm job on this node (found by
+``SLURM_JOB_ID`` and ``SLURM_PROCID`` in its environment). The controller runs it
+with ``srun --overlap`` on each node of a hung replica (``launcher.diagnosis``).
+py-spy is looked for beside this Python first (a virtual environment's ``bin``),
+then on ``PATH``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,11 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftcore.files import atomic_write_text
+
 
 @dataclass(frozen=True)
 class Frame:
     function: str
     file: str          # full path as py-spy reports it
+    line: int = 0      # for the reader of a report; the aggregation ignores it
 
 
 @dataclass(frozen=True)
@@ -52,21 +60,29 @@ class ProcessStack:
     def to_dict(self) -> dict[str, Any]:
         return {"pid": self.pid, "state": self.state, "error": self.error,
                 "threads": [{"name": t.name, "main": t.main,
-                             "frames": [[f.function, f.file] for f in t.frames]}
+                             "frames": [[f.function, f.file, f.line] for f in t.frames]}
                             for t in self.threads]}
 
     @staticmethod
     def from_dict(raw: Mapping[str, Any]) -> ProcessStack:
-        threads = tuple(ThreadStack(t["name"], tuple(Frame(f, p) for f, p in t["frames"]),
-                                    bool(t.get("main"))) for t in raw.get("threads", []))
-        return ProcessStack(int(raw["pid"]), str(raw.get("state", "")), threads,
-                            str(raw.get("error", "")))
+        """The inverse of ``to_dict``; ValueError for anything else."""
+        try:
+            threads = tuple(
+                ThreadStack(str(t["name"]), tuple(Frame(str(f[0]), str(f[1]),
+                                                        int(f[2]) if len(f) > 2 else 0)
+                                                  for f in t["frames"]), bool(t.get("main")))
+                for t in raw.get("threads", []))
+            return ProcessStack(int(raw["pid"]), str(raw.get("state", "")), threads,
+                                str(raw.get("error", "")))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"not a process stack: {exc!r}") from None
 
 
 def parse_pyspy_json(pid: int, text: str, state: str = "") -> ProcessStack:
     threads = []
     for thread in json.loads(text):
-        frames = tuple(Frame(str(f.get("name", "?")), str(f.get("filename", "?")))
+        frames = tuple(Frame(str(f.get("name", "?")), str(f.get("filename", "?")),
+                             int(f.get("line") or 0))
                        for f in thread.get("frames", []))
         main = thread.get("os_thread_id") == pid or thread.get("thread_name") == "MainThread"
         threads.append(ThreadStack(str(thread.get("thread_name") or thread.get("thread_id")),
@@ -81,7 +97,14 @@ def process_state(pid: int, proc_root: Path = Path("/proc")) -> str:
         return ""
 
 
-def capture(pid: int, timeout: float = 10.0, pyspy: str = "py-spy") -> ProcessStack:
+def find_pyspy() -> str:
+    """py-spy beside this interpreter (where pip put it), else the one on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else (shutil.which("py-spy") or "py-spy")
+
+
+def capture(pid: int, timeout: float = 10.0, pyspy: str | None = None) -> ProcessStack:
+    pyspy = pyspy or find_pyspy()
     state = process_state(pid)
     if not state:
         return ProcessStack(pid, error="no such process")
@@ -137,13 +160,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--pid", type=int, nargs="+")
     group.add_argument("--job", help="every process of this Slurm job on this node")
-    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds one py-spy run may take")
+    parser.add_argument("--out", type=Path, help="write the JSON here (atomically)")
     args = parser.parse_args(argv)
     ranks = job_processes(args.job) if args.job else {pid: -1 for pid in args.pid}
     stacks = capture_all(ranks, args.timeout)
-    json.dump([{"rank": ranks[pid], **stack.to_dict()} for pid, stack in stacks.items()],
-              sys.stdout)
-    sys.stdout.write("\n")
+    text = json.dumps([{"rank": ranks[pid], **stack.to_dict()}
+                       for pid, stack in stacks.items()]) + "\n"
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        atomic_write_text(args.out, text, durable=False)
     return 0
 
 

@@ -11,7 +11,9 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -28,6 +30,7 @@ from ftcore.slurm.hostlist import compress, expand
 
 from .heartbeat import heartbeat_path
 from .plan import JOB_FLAGS, LaunchPlan, check_cpus, plan_allocation
+from .quorum.witness_service import WitnessJob, serve, witness_agent
 from .reporting.ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_size
 from .reporting.live import show, watch
 from .reporting.plots import render_timeline
@@ -42,6 +45,7 @@ from .worker.identity import (
     ENV_NUM_REPLICAS,
     ENV_RUN_DIR,
     ENV_SECRET,
+    node_address,
 )
 
 log = logging.getLogger(__name__)
@@ -94,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "sets it: the allocation was made for this run)")
     run.add_argument("train_command", nargs=argparse.REMAINDER,
                      help="-- then the training command each rank runs")
+
+    witness = sub.add_parser(
+        "witness", help="vote in a running job's quorum without training (a witness)",
+        description="Run witness K of a job (K = 1..quorum.witnesses; witness 0 is the "
+                    "controller) on a login or service node that shares the run directory. "
+                    "Witnesses let the replicas train on down to quorum.min_replicas while "
+                    "two sides of a partition can never both train. Runs until SIGTERM or "
+                    "Ctrl-C.")
+    witness.add_argument("--run-dir", type=Path, required=True, help="the job's run directory")
+    witness.add_argument("--index", type=int, required=True, metavar="K",
+                         help="which witness this is (1..quorum.witnesses)")
 
     sub_parser = sub.add_parser(
         "submit", help="from a login node: allocate, and run the controller here",
@@ -284,12 +299,31 @@ def _run(args: argparse.Namespace, config: Config, slurm: SlurmCli) -> int:
                   ENV_CONFIG: str(config_path), ENV_HEARTBEAT: str(heartbeat_path(run_dir))}
     configure_logging(args.log_level, run_dir / "controller.log")
     log.info("run %s: %s", run_dir, render_plan(plan, config.slurm.srun_extra_args))
-    with EventLog(run_dir / "controller.jsonl") as events:
-        events.emit(RunStarted(job_id=allocation.job_id, replicas=config.job.replicas,
-                               nodes=list(allocation.nodes)))
-        code = Supervisor(config, plan, slurm, run_dir, worker_env, events).run()
+    witness_job = WitnessJob(allocation.job_id, worker_env[ENV_SECRET], config.job.replicas)
+    witness_job.write(run_dir)
+    # The controller votes as witness 0 (quorum.controller_witness): with it one
+    # live replica trains on; losing it alone costs the replicas nothing.
+    witness = (witness_agent(run_dir, witness_job, 0, config.quorum, node_address())
+               if config.quorum.controller_witness else None)
+    try:
+        with EventLog(run_dir / "controller.jsonl") as events:
+            events.emit(RunStarted(job_id=allocation.job_id, replicas=config.job.replicas,
+                                   nodes=list(allocation.nodes)))
+            code = Supervisor(config, plan, slurm, run_dir, worker_env, events).run()
+    finally:
+        if witness is not None:
+            witness.stop()
     write_run_report(run_dir)
     return code
+
+
+def command_witness(args: argparse.Namespace, config: Config) -> int:
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    log.info("witness %d of %s", args.index, args.run_dir)
+    serve(args.run_dir.resolve(), args.index, config.quorum, node_address(), stop)
+    return ExitCode.OK
 
 
 def write_run_report(run_dir: Path) -> None:
@@ -386,7 +420,7 @@ def command_standby_size(args: argparse.Namespace, config: Config) -> int:
 COMMANDS = {"plan": command_plan, "run": command_run, "submit": command_submit,
             "status": command_status,
             "update": command_update, "timeline": command_timeline,
-            "standby-size": command_standby_size}
+            "standby-size": command_standby_size, "witness": command_witness}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,18 @@ class NodeFaultDetected(Event):
 
 
 @dataclass(frozen=True)
+class FailSlowDetected(Event):
+    """A replica's own step time stayed an outlier against its peers' (fail-slow)."""
+
+    replica_id: int
+    nodes: list[str]
+    own_s: float
+    peers_s: float
+    steps: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class StandbyPromoted(Event):
     replica_id: int
     node: str

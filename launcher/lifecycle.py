@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ftcore.config import RecoveryConfig
+from ftcore.config import Config, SlowPolicy
 from ftcore.errors import ExitCode
 from ftcore.events import Event as Record
 
 from . import recovery as rc
 from . import versions as cv
-from .events import NodeFaultDetected
+from .events import FailSlowDetected, NodeFaultDetected
 from .run_state import ReplicaProgressed, ReplicaState, RunState
 
 
@@ -43,12 +43,21 @@ class Policy:
     start_timeout: float = 300.0    # a relaunched replica gets this long to commit
     finish_grace: float = 60.0      # after one replica finished, the others get this long
     nonfinite_limit: int = 3        # NaN/Inf steps computed on one node before it is evicted
+    hang_diagnosis: bool = True     # a stalled replica's stacks are taken before eviction
+    diagnosis_timeout: float = 30.0  # the shell's bound on taking them
+    slow_policy: SlowPolicy = SlowPolicy.EVICT   # a fail-slow replica's nodes are evicted
+    member_timeout: float = 3.0     # quorum.member_timeout: a lost member was silent this long
 
     @classmethod
-    def from_config(cls, config: RecoveryConfig) -> Policy:
+    def from_config(cls, whole: Config) -> Policy:
+        config = whole.recovery
         return cls(recovery=rc.Policy(retries_in_place=config.retries_in_place),
                    lost_timeout=config.lost_timeout, start_timeout=config.start_timeout,
-                   finish_grace=config.finish_grace, nonfinite_limit=config.nonfinite_limit)
+                   finish_grace=config.finish_grace, nonfinite_limit=config.nonfinite_limit,
+                   hang_diagnosis=config.hang_diagnosis,
+                   diagnosis_timeout=config.diagnosis_timeout,
+                   slow_policy=config.slow_policy,
+                   member_timeout=whole.quorum.member_timeout)
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,16 @@ class Watch:
 
 
 @dataclass(frozen=True)
+class HangWatch:
+    """A stalled replica whose ranks' stacks are being taken (``DiagnoseHang``)."""
+
+    replica_id: int
+    since: float            # when it was ordered (``Now.elapsed``)
+    launched_at: float      # of the process diagnosed: after a relaunch the answer is stale
+    why: str                # the stall, as ``_stalls`` put it
+
+
+@dataclass(frozen=True)
 class ControllerState:
     run: RunState
     watch: tuple[Watch, ...]                # by replica id
@@ -77,6 +96,8 @@ class ControllerState:
     #: (lost, reporter): the reporter's quorum lost that replica; it is lost for good
     #: once the reporter commits without it (it trained on) before it commits again
     suspects: tuple[tuple[int, int], ...] = ()
+    #: stalled replicas being diagnosed (their stacks taken) before they are evicted
+    diagnosing: tuple[HangWatch, ...] = ()
 
     @classmethod
     def initial(cls, run: RunState, policy: Policy | None = None) -> ControllerState:
@@ -172,13 +193,37 @@ class QuorumLostMembers:
 
 
 @dataclass(frozen=True)
+class HangDiagnosed:
+    """The stacks of a stalled replica's ranks were taken (``launcher.diagnosis``):
+    ``suspects``, the nodes they name; none when the diagnosis failed (``error``)."""
+
+    replica_id: int
+    suspects: tuple[str, ...]
+    summary: str = ""           # "rank 1 on n3, pid 812 in injected_deadlock (faults.py:121)"
+    report: str = ""            # the report's path
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicaSlowed:
+    """Replica ``replica_id``'s own step time (its step minus what it waited for the
+    others) stayed ``own_s`` against its peers' ``peers_s``, medians over ``steps``
+    committed steps (``health.anomaly.PeerSlowdownDetector``): fail-slow."""
+
+    replica_id: int
+    own_s: float
+    peers_s: float
+    steps: int
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed: stalls, forced update windows, the finish grace."""
 
 
 Event = (RunStarted | ProcessStarted | StepsCommitted | StepExited | StandbyAgentExited
          | NodesReported | InspectionAlarmed | GradientsNonFinite | QuorumLostMembers
-         | cv.UpdateRequested | rc.StandbyAdded | Tick)
+         | HangDiagnosed | ReplicaSlowed | cv.UpdateRequested | rc.StandbyAdded | Tick)
 
 
 # --------------------------------------------------------------------------- actions
@@ -199,8 +244,19 @@ class FinishRun:
     reason: str
 
 
+@dataclass(frozen=True)
+class DiagnoseHang:
+    """Take the stacks of every rank of a stalled replica (py-spy, ``srun --overlap`` on
+    ``nodes``), cancelling nothing; the answer comes back as ``HangDiagnosed``."""
+
+    replica_id: int
+    nodes: tuple[str, ...]
+    reason: str = field(default="", compare=False)
+    stall: str = field(default="", compare=False)   # what was seen: for the report
+
+
 #: What the shell carries out; each says why.
-Order = rc.Action | StartReplica | FinishRun
+Order = rc.Action | StartReplica | FinishRun | DiagnoseHang
 #: Records (``ftcore.events.Event``) are in the list too: the shell writes them to its log.
 Action = Order | Record
 
@@ -242,6 +298,10 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
         return _nonfinite(state, event, now)
     if isinstance(event, QuorumLostMembers):
         return _quorum_lost(state, event)
+    if isinstance(event, ReplicaSlowed):
+        return _slowed(state, event, now)
+    if isinstance(event, HangDiagnosed):
+        return _hang_diagnosed(state, event, now)
     if isinstance(event, InspectionAlarmed):
         faults = [] if event.node in state.run.evicted else [
             rc.NodeFaulted(None, event.node, event.reason)]
@@ -278,6 +338,26 @@ def _nonfinite(state: ControllerState, event: GradientsNonFinite, now: Now) -> D
                    f"{', '.join(event.nodes)}")
 
 
+def _slowed(state: ControllerState, event: ReplicaSlowed, now: Now) -> Decision:
+    """A fail-slow replica holds every other one back: under ``recovery.slow_policy =
+    evict`` its nodes are drained and a standby takes its place (which node of a
+    multi-node replica is slow its rank 0 cannot tell: all of them go)."""
+    rid = event.replica_id
+    nodes = state.run.replica(rid).nodes
+    # no quotes: a drain reason keeps to what scontrol takes (health.drain)
+    reason = (f"fail-slow: replica {rid} took {event.own_s / event.peers_s:.1f}x as long as "
+              f"its peers for its own part of a step ({event.own_s:.3g} s against "
+              f"{event.peers_s:.3g} s, medians of {event.steps} steps)")
+    record = FailSlowDetected(replica_id=rid, nodes=list(nodes), own_s=event.own_s,
+                              peers_s=event.peers_s, steps=event.steps, reason=reason,
+                              time=now.wall)
+    if state.policy.slow_policy is not SlowPolicy.EVICT or not _training(state, rid):
+        return Decision(state, [record], f"{reason}: reported, not evicted")
+    decision = _faults(state, [rc.NodeFaulted(None, node, reason) for node in nodes], now,
+                       f"replica {rid} is fail-slow")
+    return replace(decision, actions=[record, *decision.actions])
+
+
 def _training(state: ControllerState, replica_id: int) -> bool:
     """Running, watched, and not (re)launched since: its commits are its own."""
     watch = state.watch[replica_id]
@@ -287,9 +367,11 @@ def _training(state: ControllerState, replica_id: int) -> bool:
 
 def _quorum_lost(state: ControllerState, event: QuorumLostMembers) -> Decision:
     """A replica's quorum names members it lost, long before ``lost_timeout``. Its word
-    alone is not enough (a partitioned leader loses everyone): each lost replica that
+    alone is not enough (a partitioned leader loses everyone; a new leader, or one
+    starved of CPU, may not have heard a live member in time): each lost replica that
     trains is suspected, and found lost only when the reporter commits again before it
-    does (``_committed``): the reporter trained on without it."""
+    does while it has been silent for ``quorum.member_timeout`` in its own event file
+    too (``_committed``): the reporter trained on without it, and it did not go on."""
     if not _training(state, event.reporter):
         return Decision(state, [], f"replica {event.reporter} reports lost {list(event.lost)}"
                                    " but does not train")
@@ -318,10 +400,14 @@ def _committed(state: ControllerState, event: StepsCommitted, now: Now) -> Decis
     # checkpoint's, below the highest ever seen.
     state = replace(state, run=rc.decide(state.run, ReplicaProgressed(rid))[0])
     # it lives: nobody's suspect; the ones it reported lost stayed silent while it went on
-    confirmed = [lost for lost, reporter in state.suspects
-                 if reporter == rid and _training(state, lost)]
-    state = replace(state, suspects=tuple(s for s in state.suspects
-                                          if rid not in s))
+    # (for as long as the quorum waited for them: else they may be alive, and stay suspects)
+    reported = [lost for lost, reporter in state.suspects
+                if reporter == rid and _training(state, lost)]
+    confirmed = [lost for lost in reported
+                 if t - state.watch[lost].last_time >= state.policy.member_timeout]
+    state = replace(state, suspects=tuple(s for s in state.suspects if s[0] != rid and
+                                          not (s[1] == rid and s[0] not in reported) and
+                                          s[0] not in confirmed))
     faults = [rc.NodeFaulted(lost, state.run.replica(lost).nodes[0],
                              f"the quorum of replica {rid} lost replica {lost}, and "
                              f"replica {rid} trained on without it") for lost in confirmed]
@@ -352,7 +438,103 @@ def _exited(state: ControllerState, event: StepExited, now: Now) -> Decision:
 
 
 def _ticked(state: ControllerState, now: Now) -> Decision:
-    return _faults(state, _stalls(state, now.elapsed), now, "time passed")
+    stalls = _stalls(state, now.elapsed)
+    if not state.policy.hang_diagnosis:
+        return _faults(state, stalls, now, "time passed")
+    return _diagnose_stalls(state, stalls, now)
+
+
+# ------------------------------------------------------------------- hang diagnosis
+
+
+def _diagnose_stalls(state: ControllerState, stalls: Sequence[rc.NodeFaulted], now: Now
+                     ) -> Decision:
+    """A stalled replica is diagnosed before it is evicted: its ranks' stacks say which
+    node hangs (``HangDiagnosed``). A diagnosis the shell never answers (twice its own
+    bound) evicts every node of the replica, as a failed one does."""
+    state = replace(state, diagnosing=tuple(h for h in state.diagnosing
+                                            if _still_hung(state, h)))
+    actions: list[Action] = []
+    reasons = []
+    limit = 2 * state.policy.diagnosis_timeout
+    overdue = [h for h in state.diagnosing if now.elapsed - h.since > limit]
+    for hang in overdue:
+        state = _undiagnosed(state, hang.replica_id)
+        reason = f"hang: {hang.why}; no stacks within {limit:g} s: every node of it"
+        state, evicted = _hang_faults(state, hang.replica_id,
+                                      state.run.replica(hang.replica_id).nodes, reason, now)
+        actions += evicted
+        reasons.append(reason)
+    handled = {h.replica_id for h in state.diagnosing} | {h.replica_id for h in overdue}
+    for fault in stalls:
+        rid = fault.replica_id
+        if rid is None or rid in handled:
+            continue
+        hang = HangWatch(rid, now.elapsed, state.watch[rid].launched_at, fault.reason)
+        state = replace(state, diagnosing=state.diagnosing + (hang,))
+        actions.append(DiagnoseHang(rid, state.run.replica(rid).nodes,
+                                    f"{fault.reason}: its ranks' stacks are taken before "
+                                    "anything is cancelled", stall=fault.reason))
+        reasons.append(f"{fault.reason}: diagnosing")
+    return _finish(state, actions, now,
+                   "time passed" + (f": {'; '.join(reasons)}" if reasons else ""))
+
+
+def _still_hung(state: ControllerState, hang: HangWatch) -> bool:
+    """The diagnosed process runs on, silent: not relaunched, exited or committing."""
+    watch = state.watch[hang.replica_id]
+    return (watch.live and watch.launched_at == hang.launched_at
+            and watch.last_time <= hang.since
+            and not state.run.replica(hang.replica_id).retired)
+
+
+def _undiagnosed(state: ControllerState, replica_id: int) -> ControllerState:
+    return replace(state, diagnosing=tuple(h for h in state.diagnosing
+                                           if h.replica_id != replica_id))
+
+
+def _hang_diagnosed(state: ControllerState, event: HangDiagnosed, now: Now) -> Decision:
+    """Evict the nodes the stacks name; every node of the replica when they name none
+    (the diagnosis failed). An answer about a replica that moved on meanwhile (it
+    committed, exited, or was relaunched) evicts nothing."""
+    rid = event.replica_id
+    hang = next((h for h in state.diagnosing if h.replica_id == rid), None)
+    state = _undiagnosed(state, rid)
+    if hang is None or not _still_hung(state, hang):
+        return Decision(state, [], f"replica {rid}'s hang diagnosis came after it moved on: "
+                                   "nothing to evict")
+    nodes = state.run.replica(rid).nodes
+    suspects = tuple(n for n in event.suspects if n in nodes)
+    if suspects:
+        reason = f"hang: {event.summary or 'stacks name ' + ', '.join(suspects)}; {hang.why}"
+    else:
+        suspects = nodes
+        reason = f"hang: {hang.why}; {event.error or 'the stacks name no node'}: every node " \
+                 "of it"
+    state, actions = _hang_faults(state, rid, suspects, reason, now)
+    return _finish(state, actions, now, f"replica {rid} hung: {reason}")
+
+
+def _hang_faults(state: ControllerState, replica_id: int, nodes: Sequence[str], reason: str,
+                 now: Now) -> tuple[ControllerState, list[Action]]:
+    """Evict ``nodes`` of a hung replica: one failure of it (counted once against its
+    code version), relaunched once even when it loses several nodes."""
+    actions: list[Action] = []
+    failures = state.run.replica(replica_id).failures
+    for index, node in enumerate(nodes):
+        actions.append(NodeFaultDetected(node=node, replica_id=replica_id, reason=reason,
+                                         time=now.wall))
+        fault = rc.NodeFaulted(replica_id if index == 0 else None, node, reason)
+        decision = _failure(state, fault, [], now, reason, finish=False)
+        state, actions = decision.state, actions + decision.actions
+    replica = state.run.replica(replica_id)
+    if replica.failures > failures + 1:    # the recovery table counted each node
+        state = replace(state, run=state.run.with_replica(replace(replica,
+                                                                  failures=failures + 1)))
+    superseded = [i for i, a in enumerate(actions) if isinstance(a, rc.RelaunchReplica)
+                  and any(isinstance(b, rc.CancelReplica) and b.replica_id == a.replica_id
+                          for b in actions[i + 1:])]
+    return state, [a for i, a in enumerate(actions) if i not in superseded]
 
 
 def _stalls(state: ControllerState, t: float) -> list[rc.NodeFaulted]:

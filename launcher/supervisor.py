@@ -7,7 +7,9 @@ Watching (each observation is one ``lifecycle`` event):
 * a replica's srun exits (``StepExited``, with what Slurm says of its nodes and
   what the health gate wrote down);
 * progress comes from the replicas' own event files (``events/``);
-* Slurm's node states, inspection alarms, update requests, and time (``Tick``).
+* Slurm's node states, inspection alarms, update requests, and time (``Tick``);
+* the hang diagnoses it runs in the background (``HangDiagnosed``: see
+  ``launcher.diagnosis``), so a stalled replica's stacks never hold up the loop.
 
 Every action is logged with its reason (``ActionTaken``); every drain reason goes
 through ``health.drain``'s one sanitiser.
@@ -23,18 +25,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftcore.config import Config, PromotionPath, StandbyMode
+from ftcore.config import Config, PromotionPath, SlowPolicy, StandbyMode
 from ftcore.errors import ExitCode, SlurmCommandError
 from ftcore.events import Event, EventLog, NodeDrained
 from ftcore.slurm.client import SlurmBackend, cancel_named_step, launch_logged
 from ftcore.slurm.commands import StepSpec
 from ftcore.slurm.states import Disposition, node_disposition
+from health.anomaly import PeerSlowdownDetector
 from health.drain import drain_node, drain_reason
 from health.drain_request import job_comment, write_request
 
 from . import lifecycle as lc
 from . import recovery as rc
 from . import versions as cv
+from .diagnosis import DIAGNOSIS_DIR, HangDiagnosis, HangRequest
 from .events import (
     ActionTaken,
     EventTail,
@@ -54,6 +58,7 @@ from .run_state import RunState
 from .standby import activate, unhealthy_file
 from .worker.events import StepCommitted, StepDiscarded, WorkerStarted
 from .worker.identity import ENV_REPLICA_ID, ENV_SECRET, replica_world_env
+from .worker.pids import clear_rank_pids
 
 log = logging.getLogger(__name__)
 NODE_CHECK_INTERVAL = 2.0
@@ -88,7 +93,7 @@ class Supervisor:
                                standby=plan.standby,
                                nodes_per_replica=config.job.nodes_per_replica,
                                last_standby=plan.batch_host)
-        self.state = lc.ControllerState.initial(run, lc.Policy.from_config(config.recovery))
+        self.state = lc.ControllerState.initial(run, lc.Policy.from_config(config))
         self.replicas: dict[int, Watched] = {}
         self.standbys: dict[str, Watched] = {}
         self.tails = {r.replica_id: EventTail(run_dir / "events" /
@@ -105,6 +110,11 @@ class Supervisor:
         self._updates_read = 0
         self._expanded: set[str] = set()    # nodes the job got by expansion
         self._launches: dict[int, int] = {}   # replica -> launches so far
+        self._diagnoses: dict[int, HangDiagnosis] = {}   # replica -> its running diagnosis
+        self._diagnosis_count = 0
+        recovery = config.recovery
+        self.pace = (PeerSlowdownDetector(recovery.slow_factor, recovery.slow_window)
+                     if recovery.slow_policy is not SlowPolicy.OFF else None)
 
     # ------------------------------------------------------------------ launching
 
@@ -130,6 +140,7 @@ class Supervisor:
 
     def _replica_env(self, replica_id: int, nodes: int) -> dict[str, str]:
         launch = self._launches[replica_id] = self._launches.get(replica_id, -1) + 1
+        clear_rank_pids(self.run_dir, replica_id)   # a diagnosis finds only the new ones
         return {**self.worker_env, ENV_REPLICA_ID: str(replica_id),
                 **replica_world_env(self.plan.job_id or "", replica_id, launch, nodes,
                                     self.plan.tasks_per_node)}
@@ -192,6 +203,7 @@ class Supervisor:
             observed += [lc.InspectionAlarmed(node, reason)
                          for node, reason in self.inspection.alarms()]
         observed += self._update_requests()
+        observed += self._diagnosed()
         for event in [*observed, lc.Tick()]:
             code = self.decide(event)
             if code is not None:
@@ -235,7 +247,14 @@ class Supervisor:
             for event in tail.read():
                 if isinstance(event, StepCommitted):
                     commits += 1
+                    slow = self._paced(replica_id, event)
+                    if slow is None:
+                        continue
+                    found.extend([lc.StepsCommitted(replica_id, commits), slow])
+                    commits = 0
                     continue
+                if isinstance(event, WorkerStarted) and self.pace is not None:
+                    self.pace.forget(replica_id)    # a new process: a new pace
                 observed = _observation(replica_id, event)
                 if observed is not None:
                     if commits:
@@ -245,6 +264,16 @@ class Supervisor:
             if commits:
                 found.append(lc.StepsCommitted(replica_id, commits))
         return found
+
+    def _paced(self, replica_id: int, commit: StepCommitted) -> lc.ReplicaSlowed | None:
+        """A commit's own time (step minus waiting for the others) for the fail-slow
+        watch: only trained steps with peers to wait for."""
+        if (self.pace is None or commit.caught_up or commit.contributors < 2
+                or commit.step_s is None or commit.wait_s is None):
+            return None
+        slow = self.pace.observe(replica_id, commit.step_s - commit.wait_s)
+        return None if slow is None else lc.ReplicaSlowed(replica_id, slow.own_s,
+                                                          slow.peers_s, slow.steps)
 
     def _reap_exits(self) -> list[lc.Event]:
         found: list[lc.Event] = []
@@ -316,7 +345,38 @@ class Supervisor:
         elif isinstance(action, lc.FinishRun):
             self.events.emit(RunFinished(exit_code=ExitCode.OK, reason=action.reason))
             return ExitCode.OK
+        elif isinstance(action, lc.DiagnoseHang):
+            self._diagnose(action)
         return None
+
+    # ------------------------------------------------------------------ hang diagnosis
+
+    def _diagnose(self, action: lc.DiagnoseHang) -> None:
+        """Take the stalled replica's stacks on a thread of its own (bounded by
+        ``recovery.diagnosis_timeout``); ``_diagnosed`` hands the outcome to decide."""
+        self._diagnosis_count += 1
+        rid = action.replica_id
+        out_dir = self.run_dir / DIAGNOSIS_DIR / f"hang-{rid}-{self._diagnosis_count}"
+        watched = self.replicas.get(rid)
+        request = HangRequest(rid, action.nodes, self.plan.tasks_per_node,
+                              action.stall or action.reason, out_dir)
+        self._diagnoses[rid] = HangDiagnosis(
+            self.slurm, request, self.run_dir,
+            (watched.job_id if watched else None) or self.plan.job_id or "",
+            self.config.recovery.diagnosis_timeout,
+            self.config.slurm.srun_extra_args).start()
+
+    def _diagnosed(self) -> list[lc.Event]:
+        found: list[lc.Event] = []
+        for rid, diagnosis in list(self._diagnoses.items()):
+            outcome = diagnosis.outcome
+            if outcome is None:
+                continue
+            del self._diagnoses[rid]
+            self.events.emit(outcome.record())
+            found.append(lc.HangDiagnosed(rid, outcome.suspects, outcome.summary,
+                                          outcome.report, outcome.error))
+        return found
 
     def _record(self, action: lc.Order) -> None:
         log.info("action: %s (%s)", type(action).__name__, action.reason)
@@ -399,6 +459,8 @@ class Supervisor:
                           watched.proc)
 
     def stop_all(self) -> None:
+        for diagnosis in self._diagnoses.values():
+            diagnosis.cancel()
         for replica_id in list(self.replicas):
             self._cancel_replica(replica_id)
         for node in list(self.standbys):

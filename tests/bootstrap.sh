@@ -15,7 +15,9 @@ case "${1:-}" in
 esac
 
 APT_PACKAGES=(slurmctld slurmd slurm-client munge iproute2 util-linux procps)
-$demo_only || APT_PACKAGES+=(mpich libmpich-dev)
+# debootstrap: the lab cluster of another Slurm release runs from a Debian root
+# (tests/cluster/debroot.py; .ci/run tests 24.11 that way)
+$demo_only || APT_PACKAGES+=(mpich libmpich-dev debootstrap)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

@@ -37,6 +37,7 @@ from .sections import (
     RunConfig,
     RuntimeConfig,
     SlurmConfig,
+    SlowPolicy,
     StandbyMode,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "RunConfig",
     "RuntimeConfig",
     "SlurmConfig",
+    "SlowPolicy",
     "StandbyMode",
     "Tables",
     "apply_table",

@@ -49,6 +49,11 @@ def _count(default: int, low: int, high: int) -> Any:
     return field(default=default, metadata={_BOUNDS: Bounds(low, high)})
 
 
+def _factor(default: float, low: float, high: float) -> Any:
+    """A float field above ``low`` (excluded) and at most ``high``."""
+    return field(default=default, metadata={_BOUNDS: Bounds(low, high, open_low=True)})
+
+
 def _seconds(default: float, *, zero_ok: bool = False, high: float = MAX_SECONDS) -> Any:
     """A duration field: finite, positive (or 0 with ``zero_ok``), at most ``high``."""
     return field(default=default,

@@ -1,10 +1,14 @@
-"""Pure parsers of Slurm command output, tolerant of 22.05 and 24.11 formats.
+"""Pure parsers of Slurm command output, tolerant of the 22.05, 24.11 and 26.05 formats
+(each recorded from the real release: ``tests/unit/fixtures/slurm-*/``).
 
-``scontrol show ... -o`` (one record a line, ``Key=Value`` pairs) is the same in
-both versions and is the primary source; ``squeue``/``sinfo --json`` differ
-(v0.0.38 in 22.05 has scalars and ``state`` + ``state_flags``; 24.11 has lists
-of state names and ``{"set", "infinite", "number"}`` objects), so both shapes
-are read.
+``scontrol show ... -o`` (one record a line, ``Key=Value`` pairs) keeps its shape
+across these releases (fields are added, e.g. ``ReservationName=`` after a
+node's ``Reason=`` from 24.11 on) and is the primary source. ``squeue``/``sinfo
+--json`` differ: v0.0.38 in 22.05 has scalars, ``state`` + ``state_flags`` and
+one entry per node; the data_parser of 24.11 (v0.0.42) and 26.05 (v0.0.45) has
+lists of state names, ``{"set", "infinite", "number"}`` numbers, node groups,
+and a node's reason as an object (``description``, ``time``, and in 24.11
+``user``). Both shapes are read.
 """
 
 from __future__ import annotations
@@ -202,7 +206,7 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
     nodes: dict[str, NodeInfo] = {}
     for raw in data.get("nodes", []):  # 22.05: one entry per node
         words = _state_words(raw.get("state")) + _state_words(raw.get("state_flags"))
-        nodes[raw["name"]] = _node_from_words(raw["name"], words, raw.get("reason", ""),
+        nodes[raw["name"]] = _node_from_words(raw["name"], words, _reason(raw.get("reason")),
                                               raw.get("address", ""))
     for raw in data.get("sinfo", []):  # 23.02+: one entry per node group and partition
         words = _state_words(raw.get("node", {}).get("state"))
@@ -210,8 +214,15 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
         addresses = group.get("addresses") or []
         for index, name in enumerate(group.get("nodes", [])):
             address = addresses[index] if index < len(addresses) else ""
-            nodes[name] = _node_from_words(name, words, raw.get("reason", ""), address)
+            nodes[name] = _node_from_words(name, words, _reason(raw.get("reason")), address)
     return list(nodes.values())
+
+
+def _reason(value: Any) -> str:
+    """22.05: the text; 24.11+: ``{"description": text, "time": t, ...}``."""
+    if isinstance(value, dict):
+        return str(value.get("description") or "")
+    return str(value or "")
 
 
 def _node_from_words(name: str, words: list[str], reason: str, address: str) -> NodeInfo:

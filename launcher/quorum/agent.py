@@ -25,6 +25,7 @@ from .errors import QuorumStoppedError, QuorumTimeoutError
 from .loop import AgentLoop
 from .model import Health, Quorum, QuorumParams
 from .node import QuorumNode, QuorumStats, QuorumStatus
+from .witness import MemoryStore
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,11 @@ class QuorumAgent:
     per-job secret (``ftcore.ids.new_job_secret()``) that authenticates every
     message. ``incarnation`` must grow when a replica is replaced (default: the
     wall clock in ns at construction). ``electable=False`` makes a member that
-    votes and joins but never stands for leader. The replay window
+    votes and joins but never stands for leader. ``witnesses``: the voter ids of
+    the job's witnesses (``model.witness_ids``); an agent whose ``replica_id`` is
+    one of them is a witness (``witness_service.witness_agent`` runs one), and
+    ``memory`` keeps what it must not forget across a restart (``witness.Memory``;
+    ``witness_service.MemoryFile``). The replay window
     (``config.max_message_age``) and the election slot come from ``config``;
     ``config.peer_dir`` is the launcher's business (it builds ``directory``).
     """
@@ -50,15 +55,18 @@ class QuorumAgent:
                  config: QuorumConfig | None = None, *, job_id: str = "",
                  host: str = "127.0.0.1", incarnation: int | None = None,
                  loop: AgentLoop | None = None, event_log: EventLog | None = None,
-                 seed: int | None = None, electable: bool = True) -> None:
+                 seed: int | None = None, electable: bool = True,
+                 witnesses: Iterable[int] = (), memory: MemoryStore | None = None) -> None:
         self.config = config or QuorumConfig()
         for key, problem in self.config.problems():
             raise ConfigError(f"{problem} (got {getattr(self.config, key)!r})",
                               key=f"quorum.{key}")
-        voters = frozenset(replica_ids)
+        witness_set = frozenset(witnesses)
+        voters = frozenset(replica_ids) | witness_set
         if replica_id not in voters:
             raise ConfigError(f"replica {replica_id} is not among the configured replicas "
-                              f"{sorted(voters)}")
+                              f"{sorted(voters - witness_set)} or witnesses "
+                              f"{sorted(witness_set)}")
         self.replica_id = replica_id
         self.job_id = job_id
         self._own_loop = loop is None
@@ -72,7 +80,7 @@ class QuorumAgent:
             port=self.config.port, incarnation=incarnation or time.time_ns(),
             seed=random.SystemRandom().getrandbits(62) if seed is None else seed,
             on_answer=self._on_answer, max_age=self.config.max_message_age,
-            electable=electable)
+            electable=electable, witnesses=witness_set, memory=memory)
         self._event_log = event_log
         self._lock = threading.Lock()
         self._subscribers: list[Subscriber] = []

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from . import election, formation
+from . import election, formation, witness
 from .model import (
+    EndorseAnswered,
+    EndorseRequested,
     Heartbeat,
     HeartbeatAcked,
     JoinFailure,
@@ -25,6 +27,7 @@ from .model import (
     VoteAnswered,
     VoteRequested,
     evolve,
+    voter_weights,
 )
 from .pmap import with_item
 from .state import (
@@ -47,16 +50,22 @@ _HEARD_RESOLUTION = 0.05
 
 
 def initial_state(me: int, voters: Iterable[int], params: QuorumParams, now: float, *,
-                  seed: int = 0, join_seq_base: int = 0, electable: bool = True) -> QuorumState:
-    """A follower with an armed election timer.
+                  seed: int = 0, join_seq_base: int = 0, electable: bool = True,
+                  witnesses: Iterable[int] = ()) -> QuorumState:
+    """A follower with an armed election timer. ``witnesses``: the voters among
+    ``voters`` that never train (a witness never campaigns).
 
     ``join_seq_base`` should grow across restarts of the same replica (the
     shell uses its incarnation), so that a leader never mistakes a restarted
     member's fresh join for a duplicate of one it already answered.
     """
     voter_set = frozenset(voters) | {me}
+    witness_set = frozenset(witnesses) & voter_set
+    weights = voter_weights(voter_set - witness_set, witness_set)
     state = QuorumState(me=me, voters=voter_set, params=params, seed=seed, started_at=now,
-                        electable=electable, member=Membership(join_seq=join_seq_base))
+                        electable=electable and me not in witness_set,
+                        member=Membership(join_seq=join_seq_base), witnesses=witness_set,
+                        witness_weights={w: weights[w] for w in witness_set})
     if len(voter_set) == 1:
         # Alone: nobody to wait for, take office at the first timer.
         return evolve(state, election=evolve(state.election, deadline=now))
@@ -66,7 +75,8 @@ def initial_state(me: int, voters: Iterable[int], params: QuorumParams, now: flo
 def decide(state: QuorumState, event: Input, now: float) -> Outcome:
     before = state
     if isinstance(event, MessageReceived):
-        state, actions = _on_message(state, event.sender, event.message, now)
+        state, actions = _on_message(state, event.sender, event.message, now,
+                                     from_feed=event.from_feed)
     elif isinstance(event, MessagesReceived):
         state, actions = _on_messages(state, event.messages, now)
     elif isinstance(event, QuorumRequested):
@@ -110,7 +120,7 @@ def _on_messages(s: QuorumState, messages: Iterable[MessageReceived], now: float
             s, more = _on_joins(s, run, now)
             actions += more
             run = []
-        s, more = _on_message(s, received.sender, message, now)
+        s, more = _on_message(s, received.sender, message, now, from_feed=received.from_feed)
         actions += more
     if run:
         s, more = _on_joins(s, run, now)
@@ -125,7 +135,8 @@ def _on_joins(s: QuorumState, run: list[MessageReceived], now: float) -> Outcome
                               heard_before=now - _HEARD_RESOLUTION)
 
 
-def _on_message(s: QuorumState, sender: int, message: object, now: float) -> Outcome:
+def _on_message(s: QuorumState, sender: int, message: object, now: float, *,
+                from_feed: bool = False) -> Outcome:
     if sender == s.me or sender not in s.voters:
         return s, []
     if s.heard.get(sender, NEVER) < now - _HEARD_RESOLUTION:
@@ -147,7 +158,7 @@ def _on_message(s: QuorumState, sender: int, message: object, now: float) -> Out
         if isinstance(message, QuorumAnnounced):
             s, more = formation.on_announce(s, message)
         else:
-            s, more = formation.on_delta(s, message, now)
+            s, more = formation.on_delta(s, message, now, from_feed=from_feed)
         return s, actions + more
     if isinstance(message, VoteRequested):
         return election.on_vote_requested(s, sender, message, now)
@@ -155,6 +166,10 @@ def _on_message(s: QuorumState, sender: int, message: object, now: float) -> Out
         return election.on_vote_answered(s, sender, message, now)
     if isinstance(message, TimeoutNow):
         return election.on_timeout_now(s, sender, message, now)
+    if isinstance(message, EndorseRequested):
+        return witness.on_endorse_requested(s, sender, message, now)
+    if isinstance(message, EndorseAnswered):
+        return witness.on_endorse_answered(s, sender, message, now)
     raise TypeError(f"not a quorum message: {message!r}")
 
 

@@ -124,12 +124,12 @@ def on_vote_answered(s: QuorumState, sender: int, msg: VoteAnswered, now: float)
         return s, actions
     if msg.pre_vote and e.role is Role.PRE_CANDIDATE and msg.term == e.term + 1:
         s = evolve(s, election=evolve(e, votes=e.votes | {sender}))
-        if len(s.election.votes) >= s.majority:
+        if s.weight_of(s.election.votes) >= s.majority:
             s, more = start_candidacy(s, now)
             actions += more
     elif not msg.pre_vote and e.role is Role.CANDIDATE and msg.term == e.term:
         s = evolve(s, election=evolve(e, votes=e.votes | {sender}))
-        if len(s.election.votes) >= s.majority:
+        if s.weight_of(s.election.votes) >= s.majority:
             s, more = become_leader(s, now)
             actions += more
     return s, actions
@@ -141,7 +141,7 @@ def start_pre_vote(s: QuorumState, now: float) -> Outcome:
     s = reset_timer(evolve(s, election=evolve(
         e, role=Role.PRE_CANDIDATE, votes=frozenset({s.me}), leader_id=None,
         previous_leader=previous)), now)
-    if len(s.election.votes) >= s.majority:
+    if s.weight_of(s.election.votes) >= s.majority:
         return start_candidacy(s, now)
     return s, [Send(s.others, VoteRequested(e.term + 1, pre_vote=True))]
 
@@ -153,7 +153,7 @@ def start_candidacy(s: QuorumState, now: float, *, transfer: bool = False) -> Ou
     s = reset_timer(evolve(s, election=evolve(
         e, role=Role.CANDIDATE, term=term, voted_for=s.me, votes=frozenset({s.me}),
         leader_id=None, previous_leader=previous)), now)
-    if len(s.election.votes) >= s.majority:
+    if s.weight_of(s.election.votes) >= s.majority:
         return become_leader(s, now)
     return s, [Send(s.others, VoteRequested(term, pre_vote=False, transfer=transfer))]
 
@@ -261,7 +261,7 @@ def leader_tick(s: QuorumState, now: float) -> Outcome:
     """Heartbeat everyone, refresh the live set, step down without a majority."""
     e = s.election
     fresh = s.fresh(now)
-    if now - e.leader_seen_at >= s.params.member_timeout and len(fresh) < s.majority:
+    if now - e.leader_seen_at >= s.params.member_timeout and s.weight_of(fresh) < s.majority:
         return step_down_without_majority(s, fresh, now)
     actions: list[Action] = []
     lost = tuple(sorted(s.leadership.live - fresh))
@@ -287,8 +287,8 @@ def step_down_without_majority(s: QuorumState, fresh: frozenset[int], now: float
                        previous_leader=None)
     s = evolve(s, election=election, leadership=Leadership(
         last_formed=s.leadership.last_formed))
-    reason = (f"heard from {len(fresh)} of {len(s.voters)} replicas within "
-              f"member_timeout, a majority needs {s.majority}")
+    reason = (f"heard from voters with {s.weight_of(fresh)} of {s.total_weight} votes "
+              f"within member_timeout, a majority needs {s.majority}")
     return reset_timer(s, now), [NotifyLeadershipLost(e.term, reason),
                                  NotifyMajorityLost(reachable)]
 
@@ -305,7 +305,7 @@ def check_majority(s: QuorumState, now: float) -> Outcome:
     horizon = now - window
     reachable = frozenset(p for p, t in s.heard.items() if t > horizon and p in s.voters)
     reachable |= {s.me}
-    if len(reachable) >= s.majority:
+    if s.weight_of(reachable) >= s.majority:
         return s, []
     s = evolve(s, election=evolve(e, majority_lost=True))
     return s, [NotifyMajorityLost(tuple(sorted(reachable)))]

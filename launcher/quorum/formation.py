@@ -1,10 +1,12 @@
 """Quorum formation: the leader's rounds and the member's side of them.
 
 The leader collects joins for a round. It forms the quorum as soon as every
-member it believes alive has joined (the fast path: everyone present), or when
-the join window (``join_timeout``) has expired, and only with at least
-``min_replicas`` admitted members and a strict majority of the configured
-replicas (a minority can never form one, so two quorums cannot coexist).
+replica it believes alive has joined (the fast path: everyone present), or when
+the join window (``join_timeout``) has expired, with at least ``min_replicas``
+admitted members. It announces it only once voters holding a strict majority of
+all votes stand behind it: the members themselves, and when they are too few,
+the witnesses' endorsements (``witness``). A minority can never announce one,
+so two quorums cannot both train (the package docstring has the argument).
 
 ``quorum_id`` changes exactly when the membership changes (a replica joined,
 left, or came back at a new address) or a member reports a failed commit, and
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from . import witness
 from .delta import answers, compact, expand
 from .model import (
     Health,
@@ -36,6 +39,7 @@ from .state import (
     Leadership,
     Membership,
     NotifyQuorumFormed,
+    Pending,
     QuorumRequested,
     QuorumState,
     Round,
@@ -68,7 +72,7 @@ def on_joins(s: QuorumState, joins: Iterable[tuple[int, JoinRequested]], now: fl
     actions: list[Action] = []
     lead = s.leadership
     batch = _JoinBatch(lead, now)
-    live = len(lead.live)
+    live = _live_replicas(s, lead)
     for sender, join in joins:
         if sender not in batch.heard and s.heard.get(sender, NEVER) < heard_before:
             batch.heard[sender] = now
@@ -94,8 +98,13 @@ def on_joins(s: QuorumState, joins: Iterable[tuple[int, JoinRequested]], now: fl
             actions += more
             lead = s.leadership
             batch = _JoinBatch(lead, now)
-            live = len(lead.live)
+            live = _live_replicas(s, lead)
     return batch.apply(s), actions
+
+
+def _live_replicas(s: QuorumState, lead: Leadership) -> int:
+    """How many of the live voters may join (witnesses never do)."""
+    return len(lead.live) - sum(1 for w in s.witnesses if w in lead.live)
 
 
 class _JoinBatch:
@@ -135,22 +144,23 @@ class _JoinBatch:
 def try_form(s: QuorumState, now: float) -> Outcome:
     lead = s.leadership
     current = lead.round
-    if s.role is not Role.LEADER or current is None:
+    if s.role is not Role.LEADER or current is None or lead.pending is not None:
         return s, []
     expired = now >= current.opened_at + s.params.join_timeout
+    live = lead.live - s.witnesses if s.witnesses else lead.live
     # Cheap test first: the subset test only runs once the count can match,
     # which keeps a 1,000-member round linear rather than quadratic.
-    if not expired and (len(current.joins) < len(lead.live)
-                        or not lead.live.issubset(current.joins)):
+    if not expired and (len(current.joins) < len(live) or not live.issubset(current.joins)):
         return s, []
-    needed = max(s.params.min_replicas, s.majority)
-    if len(current.joins) < needed:
+    # Members and every witness together must be able to make a majority.
+    reachable_votes = len(current.joins) + s.weight_of(s.witnesses)
+    if len(current.joins) < s.params.min_replicas or reachable_votes < s.majority:
         return s, []
     horizon = now - s.params.member_timeout
     joined = {m: j for m, j in current.joins.items()
               if m == s.me or s.heard.get(m, NEVER) > horizon}
     admitted = sum(1 for j in joined.values() if j.health is not Health.UNHEALTHY)
-    if admitted < needed:
+    if admitted < s.params.min_replicas or admitted + s.weight_of(s.witnesses) < s.majority:
         return s, []
     return form(s, joined, now)
 
@@ -166,15 +176,33 @@ def form(s: QuorumState, joined: Mapping[int, JoinRequested], now: float) -> Out
     quorum = Quorum.of(quorum_id, members, term=s.term, leader_id=s.me)
     answered = {m: j.join_seq for m, j in joined.items()}
     announce = QuorumAnnounced(s.term, quorum, answered)
-    answered_seq = {**lead.answered_seq, **answered}
+    pending = Pending(announce, base, joined, opened_at, now)
+    s = evolve(s, leadership=evolve(lead, round=None))
+    if len(members) >= s.majority or not s.witnesses:
+        # The members alone are a majority: the witnesses only hear of the round.
+        s, actions = publish(s, pending, now)
+        return s, actions + witness.tell_witnesses(s, quorum, required=False)
+    return evolve(s, leadership=evolve(s.leadership, pending=pending)), \
+        witness.tell_witnesses(s, quorum, required=True)
+
+
+def publish(s: QuorumState, pending: Pending, now: float) -> Outcome:
+    """Announce a formed quorum that a majority of the votes stands behind."""
+    lead = s.leadership
+    announce, joined = pending.announce, pending.joined
+    quorum = announce.quorum
+    answered_seq = {**lead.answered_seq, **announce.answered}
     recipients = tuple(m for m in sorted(joined) if m != s.me)
-    s = evolve(s, leadership=evolve(lead, round=None, answered_seq=answered_seq,
+    s = evolve(s, leadership=evolve(lead, pending=None, answered_seq=answered_seq,
                                       last_announce=announce, last_formed=quorum,
                                       contacted=lead.contacted.union(recipients)))
-    actions: list[Action] = [NotifyQuorumFormed(quorum, now - opened_at)]
-    actions += announcements(announce, base, recipients, joined)
+    actions: list[Action] = [NotifyQuorumFormed(quorum, now - pending.opened_at)]
+    actions += announcements(announce, pending.base, recipients, joined)
     if s.me in joined:
         s, more = on_announce(s, announce)
+        actions += more
+    if s.leadership.round is not None:  # joins that came in while it waited
+        s, more = try_form(s, now)
         actions += more
     return s, actions
 
@@ -286,16 +314,18 @@ def on_announce(s: QuorumState, announce: QuorumAnnounced) -> Outcome:
     return deliver(s, announce.quorum)
 
 
-def on_delta(s: QuorumState, delta: QuorumDeltaAnnounced, now: float) -> Outcome:
+def on_delta(s: QuorumState, delta: QuorumDeltaAnnounced, now: float, *,
+             from_feed: bool = False) -> Outcome:
     """A compact answer: expand it on the last quorum, or ask again for the
     full one (the leader repeats an answered bid in full) if the roster we
-    hold is not the one it refers to."""
+    hold is not the one it refers to. On the feed a delta on another roster
+    is for the others: the leader sends us the full form itself."""
     m = s.member
     base = m.last_quorum
     if m.request is None:
         return s, []
     if base is None or base.digest != delta.digest:
-        return send_request(s, now)
+        return (s, []) if from_feed else send_request(s, now)
     quorum = expand(delta, base)
     if not answers(delta, quorum, s.me, m.request.join_seq):
         return s, []
@@ -316,8 +346,11 @@ def on_timer(s: QuorumState, now: float) -> Outcome:
     """Leader: close an expired window. Member: re-send an unanswered bid (the
     leader answers a duplicate of an answered bid by repeating its answer)."""
     actions: list[Action] = []
+    if s.role is Role.LEADER and s.leadership.pending is not None:
+        s, actions = witness.on_timer(s, now)
     if s.role is Role.LEADER and s.leadership.round is not None:
-        s, actions = try_form(s, now)
+        s, more = try_form(s, now)
+        actions += more
     if now >= _resend_at(s):
         s, more = send_request(s, now)
         actions += more
@@ -339,6 +372,9 @@ def formation_deadline(s: QuorumState, now: float) -> float:
     An expired window that could not form waits for joins or the next heartbeat
     tick (which refreshes the live set), not for a timer of its own."""
     deadline = _resend_at(s)
+    pending = s.leadership.pending
+    if s.role is Role.LEADER and pending is not None:
+        deadline = min(deadline, witness.resend_at(s, pending))
     current = s.leadership.round
     if s.role is Role.LEADER and current is not None:
         closes = current.opened_at + s.params.join_timeout

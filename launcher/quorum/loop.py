@@ -2,7 +2,8 @@
 
 A replica runs one agent on its own loop. The benchmark hosts hundreds of
 agents per loop so that 1,000 members fit on a small machine; nothing in an
-agent depends on how many others share its loop.
+agent depends on how many others share its loop. The loop's one SUB socket
+(``feed``) takes each leader broadcast once and hands it to its agents.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import math
 import os
 import selectors
+import struct
 import threading
 import time
 from collections import deque
@@ -24,6 +26,7 @@ import zmq
 
 from ftcore.logs import log_sampled
 
+from .feed import FeedReader
 from .wire import Codec
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,141 @@ class Hosted(Protocol):
     def on_timer(self, now: float) -> None: ...
 
     def deadline(self, now: float) -> float: ...
+
+
+#: A DEALER only sends; what a peer sends back to it is never read.
+_DEALER_MAX_RECEIVE = 4096
+#: Messages a DEALER queues while its peer is slow or unreachable (then new
+#: ones are dropped): a round's joins of every agent the loop hosts fit.
+_DEALER_SNDHWM = 1000
+
+
+#: Small messages to one address taken in one pass of the loop leave as one
+#: frame of at most this size (any receiver accepts far larger: ``wire``).
+BATCH_BYTES = 64 * 1024
+_ENTRY = struct.Struct("!I")
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+
+
+class Connections:
+    """The loop's DEALER sockets, one per peer address, shared by the agents it
+    hosts (loop thread only): 333 agents of one process sending their joins to
+    one leader use one TCP connection, as one replica's process does, rather
+    than 333 (each a wake-up of ZeroMQ's I/O threads at both ends). Receivers
+    never look at the connection a message came on, only at its signed header.
+
+    Small messages (``post``) wait for the end of the loop's pass and leave
+    together: one message of two frames ``[data, mac]`` alone, or several as
+    one *batch* frame of ``(length, data, mac)`` entries (``split_batch``), each
+    still signed and checked on its own. Order per address is kept."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        self._context = context
+        self._open: dict[str, tuple[zmq.Socket[Any], int]] = {}
+        #: Per address: queued (data, mac, the sender's counters) and their bytes.
+        self._queued: dict[str, list[tuple[bytes, bytes, dict[str, int]]]] = {}
+        self._queued_bytes: dict[str, int] = {}
+
+    def post(self, address: str, data: bytes, mac: bytes, counts: dict[str, int]) -> None:
+        """Queue a small message for ``address`` (an acquired socket's)."""
+        size = _ENTRY.size + len(data) + len(mac)
+        if self._queued_bytes.get(address, 0) + size > BATCH_BYTES:
+            self._flush(address)
+        self._queued.setdefault(address, []).append((data, mac, counts))
+        self._queued_bytes[address] = self._queued_bytes.get(address, 0) + size
+
+    def send_now(self, address: str, frames: tuple[Any, bytes], copy: bool,
+                 counts: dict[str, int]) -> None:
+        """Send at once (a large message), after what is queued for ``address``."""
+        self._flush(address)
+        sock = self._open[address][0]
+        try:
+            sock.send(frames[0], _MORE, copy=copy)
+            sock.send(frames[1], _NOBLOCK)
+            counts["sent"] += 1
+        except zmq.Again:
+            counts["dropped_full"] += 1
+
+    def flush(self) -> None:
+        for address in list(self._queued):
+            self._flush(address)
+
+    def _flush(self, address: str) -> None:
+        queued = self._queued.pop(address, None)
+        self._queued_bytes.pop(address, None)
+        if not queued:
+            return
+        sock = self._open[address][0]
+        try:
+            if len(queued) == 1:
+                sock.send(queued[0][0], _MORE)
+                sock.send(queued[0][1], _NOBLOCK)
+            else:
+                sock.send(b"".join(part for data, mac, _ in queued
+                                   for part in (_ENTRY.pack(len(data)), data, mac)), _NOBLOCK)
+            outcome = "sent"
+        except zmq.Again:
+            outcome = "dropped_full"
+        for _, _, counts in queued:
+            counts[outcome] += 1
+
+    def acquire(self, address: str) -> zmq.Socket[Any]:
+        """The socket to ``address`` (raises ``zmq.ZMQError`` when out of sockets)."""
+        found = self._open.get(address)
+        if found is not None:
+            self._open[address] = (found[0], found[1] + 1)
+            return found[0]
+        sock = self._context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, _DEALER_SNDHWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, _DEALER_MAX_RECEIVE)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.connect(address)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        self._open[address] = (sock, 1)
+        return sock
+
+    def release(self, address: str) -> None:
+        found = self._open.get(address)
+        if found is None:
+            return
+        if found[1] > 1:
+            self._open[address] = (found[0], found[1] - 1)
+            return
+        self._flush(address)
+        del self._open[address]
+        found[0].close(linger=0)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def close(self) -> None:
+        for sock, _ in self._open.values():
+            sock.close(linger=0)
+        self._open.clear()
+        self._queued.clear()
+        self._queued_bytes.clear()
+
+
+def split_batch(frame: bytes, mac_bytes: int) -> list[list[bytes]]:
+    """The ``[data, mac]`` messages of a batch frame; ``ValueError`` if malformed."""
+    messages, offset, end = [], 0, len(frame)
+    while offset < end:
+        if offset + _ENTRY.size > end:
+            raise ValueError("a batch entry cut short in its length")
+        (size,) = _ENTRY.unpack_from(frame, offset)
+        start = offset + _ENTRY.size
+        offset = start + size + mac_bytes
+        if offset > end:
+            raise ValueError(f"a batch entry of {size} bytes runs past the frame")
+        messages.append([frame[start:start + size], frame[start + size:offset]])
+    return messages
 
 
 class AgentLoop:
@@ -71,6 +209,9 @@ class AgentLoop:
         self._codecs: dict[tuple[str, str], Codec] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._feed: FeedReader | None = None
+        #: Sending sockets shared by the agents of this loop (loop thread only).
+        self.connections = Connections(self.context)
         self.failed_steps = 0
 
     # ------------------------------------------------------------------ any thread
@@ -125,6 +266,14 @@ class AgentLoop:
         return codec
 
     # ------------------------------------------------------------------ loop thread
+    @property
+    def feed(self) -> FeedReader:
+        """The loop's one SUB socket for the leaders' feeds (``feed``)."""
+        if self._feed is None:
+            self._feed = FeedReader(self.context, self._guarded)
+            self.add(self._feed)
+        return self._feed
+
     def add(self, node: Hosted) -> None:
         fd = int(node.socket.getsockopt(zmq.FD))
         self._hosted[node] = fd
@@ -162,6 +311,7 @@ class AgentLoop:
                     if not self._guarded(node, node.on_readable, now, wall):
                         self._ready.pop(node, None)
                 self._run_timers()
+                self.connections.flush()
         except Exception:
             log.exception("%s crashed", self.name)
             raise
@@ -190,7 +340,7 @@ class AgentLoop:
             del self._scheduled[id(node)]
             self._guarded(node, node.on_timer, now)
 
-    def _guarded(self, node: Hosted, step: Callable[..., bool | None], *args: float) -> bool:
+    def _guarded(self, node: Any, step: Callable[..., bool | None], *args: Any) -> bool:
         """Run one step of one node. A bug that raises there is logged with its
         traceback and the input dropped (the core is pure, so the node's state
         is as before); the other agents on this loop keep going. Sampled: input
@@ -219,6 +369,10 @@ class AgentLoop:
             pass
 
     def _close(self) -> None:
+        self.connections.close()
+        if self._feed is not None:
+            self.remove(self._feed)
+            self._feed.close()
         self._selector.close()
         for fd in (self._wake_r, self._wake_w):
             try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypeVar
@@ -225,10 +225,59 @@ class QuorumDeltaAnnounced:
     others: Mapping[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EndorseRequested:
+    """The leader asks the witnesses to endorse the quorum it formed for ``step``
+    (``members``: its replica ids). ``required``: the members alone are short of
+    a majority of all votes, so the announcement waits for the answers; otherwise
+    it only tells the witnesses which round came last (see ``witness``)."""
+
+    term: int
+    step: int
+    quorum_id: int
+    members: tuple[int, ...]
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class EndorseAnswered:
+    term: int
+    quorum_id: int
+    granted: bool
+
+
 SEQ_MASK = 0xFFFFFFFF
 
 Message = (VoteRequested | VoteAnswered | Heartbeat | HeartbeatAcked | TimeoutNow |
-           JoinRequested | QuorumAnnounced | QuorumDeltaAnnounced)
+           JoinRequested | QuorumAnnounced | QuorumDeltaAnnounced | EndorseRequested |
+           EndorseAnswered)
+
+# --------------------------------------------------------------------------- voters
+
+#: Witness ``k`` votes as ``WITNESS_BASE + k``: far above any replica id (at
+#: most ``MAX_HOSTS``), inside the wire's 32-bit ids. Witness 0 is the controller.
+WITNESS_BASE = 1_000_000
+
+
+def witness_ids(count: int) -> tuple[int, ...]:
+    return tuple(WITNESS_BASE + k for k in range(count))
+
+
+def is_witness(voter: int) -> bool:
+    return voter >= WITNESS_BASE
+
+
+def voter_weights(replicas: Iterable[int], witnesses: Iterable[int]) -> dict[int, int]:
+    """Votes per voter: one per replica; the witnesses share ``replicas - 1``
+    votes between them (as evenly as integers allow, the lower ids first). So
+    all replicas together are a majority without any witness, and one replica
+    with every witness is a majority too; ``witness`` explains why that is safe."""
+    replica_list, witness_list = sorted(set(replicas)), sorted(set(witnesses))
+    weights = dict.fromkeys(replica_list, 1)
+    share = max(len(replica_list) - 1, 0)
+    for index, witness in enumerate(witness_list):
+        weights[witness] = share // len(witness_list) + (index < share % len(witness_list))
+    return weights
 
 
 # --------------------------------------------------------------------------- timing

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .model import (
+    EndorseAnswered,
+    EndorseRequested,
     Health,
     Heartbeat,
     HeartbeatAcked,
@@ -38,6 +40,8 @@ class Kind(enum.IntEnum):
     QUORUM_ANNOUNCED = 6
     TIMEOUT_NOW = 7
     QUORUM_DELTA = 8
+    ENDORSE_REQUESTED = 9
+    ENDORSE_ANSWERED = 10
 
 
 _HEALTH = tuple(Health)
@@ -47,6 +51,8 @@ _FULL = struct.Struct("!qiII")          # quorum_id, leader_id, members, answere
 _MEMBER = struct.Struct("!iqBI")        # replica_id, next_step, health, address bytes
 _DELTA = struct.Struct("!qiq16sIIIII")  # quorum_id, leader_id, max_step, digest, counts
 _ENTRY = struct.Struct("!iBI")          # replica_id, health, address bytes
+_ENDORSE = struct.Struct("!qqBI")       # step, quorum_id, required, members
+_ENDORSED = struct.Struct("!qB")        # quorum_id, granted
 
 
 class _Reader:
@@ -94,6 +100,12 @@ def encode_payload(message: Message) -> tuple[Kind, bytes]:
         return Kind.VOTE_ANSWERED, bytes([message.granted, message.pre_vote])
     if isinstance(message, Heartbeat):
         return Kind.HEARTBEAT, _array("i", message.suspects)
+    if isinstance(message, EndorseRequested):
+        return Kind.ENDORSE_REQUESTED, _ENDORSE.pack(
+            message.step, message.quorum_id, message.required,
+            len(message.members)) + _array("i", message.members)
+    if isinstance(message, EndorseAnswered):
+        return Kind.ENDORSE_ANSWERED, _ENDORSED.pack(message.quorum_id, message.granted)
     if isinstance(message, (HeartbeatAcked, TimeoutNow)):
         kind = Kind.HEARTBEAT_ACKED if isinstance(message, HeartbeatAcked) else Kind.TIMEOUT_NOW
         return kind, b""
@@ -117,6 +129,17 @@ def decode_payload(kind: Kind, term: int, payload: bytes) -> Message:
         return Heartbeat(term, struct.unpack(f"!{len(payload) // 4}i", payload))
     if kind is Kind.HEARTBEAT_ACKED:
         return HeartbeatAcked(term)
+    if kind is Kind.ENDORSE_REQUESTED:
+        r = _Reader(payload)
+        step, quorum_id, required, count = r.fields(_ENDORSE)
+        members = r.array("i", count)
+        r.done()
+        return EndorseRequested(term, step, quorum_id, members, bool(required))
+    if kind is Kind.ENDORSE_ANSWERED:
+        r = _Reader(payload)
+        quorum_id, granted = r.fields(_ENDORSED)
+        r.done()
+        return EndorseAnswered(term, quorum_id, bool(granted))
     return TimeoutNow(term)
 
 

@@ -33,10 +33,13 @@ class TimerFired:
 
 @dataclass(frozen=True)
 class MessageReceived:
-    """An authenticated, non-replayed message from a configured replica."""
+    """An authenticated, non-replayed message from a configured replica.
+    ``from_feed``: it came on the sender's feed, which every follower of the
+    sender receives, so it may answer others than this replica."""
 
     sender: int
     message: Message
+    from_feed: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,22 @@ class Leadership:
     #: Each member's address from its joins of this term: a member whose last
     #: quorum this leader formed leaves it out of its next join.
     addresses: Mapping[int, str] = field(default_factory=dict)
+    #: A formed quorum whose members alone are short of a majority of the
+    #: votes, waiting for the witnesses' endorsements before it is announced.
+    pending: Pending | None = None
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A formed, not yet announced quorum (see ``witness``)."""
+
+    announce: QuorumAnnounced
+    base: Quorum | None
+    joined: Mapping[int, JoinRequested]
+    opened_at: float
+    asked_at: float
+    granted: frozenset[int] = frozenset()
+    refused: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -220,14 +239,36 @@ class QuorumState:
     heard: Mapping[int, float] = field(default_factory=dict)
     leadership: Leadership = field(default_factory=Leadership)
     member: Membership = field(default_factory=Membership)
+    #: Voters that never train (``witness``); they never join a quorum.
+    witnesses: frozenset[int] = frozenset()
+    #: Votes of each witness (a replica has one); see ``model.voter_weights``.
+    witness_weights: Mapping[int, int] = field(default_factory=dict)
+    #: At a witness: the members of the last quorum it endorsed (or was told of).
+    endorsed: frozenset[int] | None = None
 
     @property
     def others(self) -> tuple[int, ...]:
         return tuple(sorted(self.voters - {self.me}))
 
     @property
+    def replicas(self) -> frozenset[int]:
+        return self.voters - self.witnesses if self.witnesses else self.voters
+
+    @property
+    def total_weight(self) -> int:
+        return self.weight_of(self.voters)
+
+    @property
     def majority(self) -> int:
-        return len(self.voters) // 2 + 1
+        """Votes a strict majority of every voter's votes needs."""
+        return self.total_weight // 2 + 1
+
+    def weight_of(self, voters: frozenset[int] | set[int]) -> int:
+        """The votes ``voters`` (a subset of ``self.voters``) carry together."""
+        if not self.witnesses:
+            return len(voters)
+        inside = [w for w in self.witnesses if w in voters]
+        return len(voters) - len(inside) + sum(self.witness_weights.get(w, 1) for w in inside)
 
     @property
     def role(self) -> Role:

@@ -21,6 +21,7 @@ from ftcore.events import Event, NodeDrained, RunStarted
 from ftcore.slurm.hostlist import compress
 from launcher.worker.events import StepCommitted
 
+from ..diagnosis import HangDiagnosisReported
 from ..events import (
     ActionTaken,
     FullRestartOrdered,
@@ -37,6 +38,7 @@ from .timeline import BandState, replica_state
 
 RATE_WINDOW = 10.0      # seconds of commits that steps/s is measured over
 KEPT_COMMITS = 512      # per replica: all that the rate and the state need
+SHOWN_DIAGNOSES = 3     # the latest hang diagnoses the status lists
 COMMAND_WIDTH = 40      # characters of a training command shown in an event
 
 
@@ -66,6 +68,8 @@ class RunStatus:
     standby: StandbyPool
     recent: tuple[Event, ...]       # the latest controller events, oldest first
     finished: RunFinished | None
+    #: the latest hang diagnoses, oldest first (they stay listed after ``recent`` moved on)
+    diagnoses: tuple[HangDiagnosisReported, ...] = ()
 
     @property
     def leading_step(self) -> int:
@@ -107,8 +111,10 @@ def run_status(run_dir: Path, control: Sequence[Event],
             last.contributors if last else None,
             steps_per_s(committed.get(replica_id, ()), now)))
     started = next((e.time for e in control if isinstance(e, RunStarted)), None)
+    diagnoses = [e for e in control if isinstance(e, HangDiagnosisReported)]
     return RunStatus(run_dir, started, now, tuple(rows), standby,
-                     tuple(control[-recent:]) if recent > 0 else (), finished)
+                     tuple(control[-recent:]) if recent > 0 else (), finished,
+                     tuple(diagnoses[-SHOWN_DIAGNOSES:]))
 
 
 def steps_per_s(commits: Sequence[StepCommitted], now: float,
@@ -161,6 +167,9 @@ def describe_event(event: Event) -> str:
         case CodeRolledBack():
             return f"replica {event.replica_id} rolled back v{event.from_version} -> " \
                    f"v{event.to_version}: {event.reason}"
+        case HangDiagnosisReported():
+            return f"replica {event.replica_id} hung: {event.summary} -> evict " \
+                   f"{_nodes(event.suspects)}"
     fields = {k: _short(value) for k, value in asdict(event).items() if k != "time"}
     return f"{type(event).__name__} " + " ".join(f"{k}={value}" for k, value in fields.items())
 
@@ -202,6 +211,11 @@ def status_text(status: RunStatus) -> str:
                      f"{r.contributors if r.contributors is not None else '-':>12}")
     lines.append(f"  standby warm: {', '.join(status.standby.warm) or '-'}"
                  f"   promoted: {', '.join(status.standby.promoted) or '-'}")
+    if status.diagnoses:
+        lines.append("hang diagnoses:")
+        for report in status.diagnoses:
+            lines.append(f"  {event_line(report, status.started)}")
+            lines.append(f"  {'':>9}  report: {report.report or '(none written)'}")
     lines.append("recent events:")
     lines += [f"  {event_line(e, status.started)}" for e in status.recent]
     return "\n".join(lines) + "\n"

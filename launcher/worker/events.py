@@ -25,6 +25,12 @@ class StepCommitted(Event):
     caught_up: bool
     lr_factor: float
     loss: float | None = None    # when the training script hands it to commit()
+    grad_norm: float | None = None   # of this rank's reduced gradients (its shard)
+    #: from start_step to the commit, and the part of it this rank waited for the
+    #: others (the ring's last transfers, the replica's vote): step_s - wait_s is its
+    #: own pace, which the controller compares across replicas (fail-slow)
+    step_s: float | None = None
+    wait_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class StepDiscarded(Event):
     #: the nodes whose ranks' own gradients held NaN/Inf before the reduction (rank 0
     #: tells the controller: silent data corruption is suspected there)
     nonfinite_nodes: list[str] = field(default_factory=list)
+    nonfinite_values: int = 0    # how many gradient values this replica's ranks computed so
 
 
 @dataclass(frozen=True)
@@ -70,3 +77,16 @@ class WorkerStopped(Event):
     ftar_ops_failed: int
     ftar_bytes_sent: int
     ftar_bytes_received: int
+
+
+@dataclass(frozen=True)
+class StateRestored(Event):
+    """At start: every rank of the replica restored ``step`` (the newest they all hold
+    soundly) from ``tier`` (ckpt.restore.TierKind: a backup peer's copy, a disk tier);
+    ``skipped``: copies passed over, and why."""
+
+    replica_id: int
+    rank: int
+    step: int
+    tier: str
+    skipped: list[str] = field(default_factory=list)

@@ -4,8 +4,11 @@
 SIGKILL itself in the middle of step 7's gradient all-reduce (after the
 reduce-scatter, before the all-gather) and SIGSTOP itself after committing step
 12. ``kill@mid_allreduce:7/1`` fires on rank 1 of the replica only (default: every
-rank). ``nan@gradients:9`` puts a NaN into this rank's first gradient contribution
-of step 9 (silent data corruption). Each fault fires once, in the incarnation that
+rank). ``hang@before_commit:40/1`` deadlocks rank 1 before step 40's commit vote: its
+training thread blocks for good on a lock it already holds (alive, stack readable,
+nothing but SIGKILL ends it), while rank 0 waits for it in the vote.
+``nan@gradients:9`` puts a NaN into this rank's first gradient contribution of step 9
+(silent data corruption). Each fault fires once, in the incarnation that
 was given it; ``STEP+`` fires at that step and every one after (a broken GPU), and a
 last ``@NODE`` limits it to the workers on that node: ``nan@gradients:30+@n3``
 corrupts whatever trains on n3 from step 30 on, and stops once n3 is replaced.
@@ -17,6 +20,7 @@ import enum
 import logging
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
 from ftcore.env import ENV_INJECT
@@ -36,6 +40,7 @@ class FaultPoint(enum.Enum):
 class FaultAction(enum.Enum):
     KILL = "kill"              # SIGKILL: the process vanishes
     STOP = "stop"              # SIGSTOP: a hang (resumed by the test with SIGCONT)
+    HANG = "hang"              # a deliberate deadlock of the thread that reaches the point
     RAISE = "raise"            # an exception in the training process
     NAN = "nan"                # a NaN in the gradients (at the gradients point only)
 
@@ -102,6 +107,16 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.action is FaultAction.STOP:
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.action is FaultAction.HANG:
+                injected_deadlock()
             else:
                 raise RuntimeError(f"injected fault at {point.value} of step {step}")
         return corrupt
+
+
+def injected_deadlock() -> None:
+    """Block the calling thread forever as a real deadlock does: on a lock it already
+    holds. Its stack shows this frame (what a hang diagnosis should find)."""
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()

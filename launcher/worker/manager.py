@@ -25,19 +25,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpt.errors import NoCheckpointError
+from ckpt.errors import LayoutMismatchError, NoCheckpointError
 from ckpt.fetch import Peer
+from ckpt.held import HeldFiles
 from ckpt.manifest import Bytes, Manifest
+from ckpt.placement import global_rank, route_backups
 from ckpt.rank import RankCheckpointer, RankPlace
-from ckpt.restore import Restored
+from ckpt.restore import Restored, TierKind, peer_copies
 from ckpt.snapshot import DualBufferSnapshotter, StateSource
 from ftar import FtarGroup, ReduceOp
 from ftcore.config import Config
@@ -47,11 +51,13 @@ from ftcore.slurm.client import SlurmCli
 from launcher.heartbeat import ControllerWatchThread
 from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent
 from launcher.quorum.events import Event as QuorumEvent
+from launcher.quorum.witness_service import job_witnesses
 
 from .controller_loss import ControllerLostNotice, end_allocation, saver_of, wait_job_ended
 from .events import (
     AllocationEnded,
     ControllerLost,
+    StateRestored,
     StepCommitted,
     StepDiscarded,
     WorkerStarted,
@@ -62,6 +68,7 @@ from .faults import FaultInjector, FaultPoint
 from .identity import WorkerIdentity
 from .ledger import DataLedger, StepContribution
 from .lr import lr_factor
+from .pids import write_rank_pid
 from .protocol import (
     FailureBudget,
     NonFiniteGradientsError,
@@ -69,11 +76,27 @@ from .protocol import (
     ReplicaEndpoints,
     StepKind,
     StepPlan,
+    decode_endpoints,
     plan_step,
 )
 from .replica_group import ReplicaGroup, SoloGroup
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class GradientNorm:
+    """The L2 norm of this rank's reduced gradients in one step, summed up reduction by
+    reduction (on the one exchange thread)."""
+
+    squares: float = 0.0
+
+    def add(self, norm: float) -> None:
+        self.squares += norm * norm
+
+    @property
+    def value(self) -> float:
+        return math.sqrt(self.squares)
 
 
 @dataclass(frozen=True)
@@ -85,6 +108,7 @@ class Reduction:
     step: int
     contributes: bool
     corrupt: bool = False       # fault injection: put a NaN into this contribution
+    norm: GradientNorm = field(default_factory=GradientNorm)   # the step's, accumulated
 
 
 class TrainState(Protocol):
@@ -116,15 +140,22 @@ class Manager:
         self._audit = (run_dir / "audit" / f"replica-{identity.replica_id}.jsonl"
                       if identity.rank == 0 else None)
         self._faults = FaultInjector.from_env(identity.rank, identity.node)
+        write_rank_pid(identity)    # where a hang diagnosis finds this rank (worker.pids)
         self._ftar = FtarGroup(config.ftar, identity.secret, identity.host,
                               progress_hook=self._on_ring_progress)
         ckpt_dir = Path(config.ckpt.dir)
         ckpt_config = dataclasses.replace(config.ckpt, dir=str(ckpt_dir if ckpt_dir.is_absolute()
                                                            else run_dir / ckpt_dir))
+        # Backups are known by global rank; the ones this rank holds for others live in
+        # this node's files (ckpt.backup_dir), where the job's next incarnation finds them.
         self._ckpt = RankCheckpointer(
-            ckpt_config, RankPlace(rank=identity.rank, world_size=identity.ranks,
+            ckpt_config, RankPlace(rank=global_rank(identity.replica_id, identity.rank,
+                                                    identity.ranks),
+                                   world_size=identity.num_replicas * identity.ranks,
                                    shard=identity.rank, shards=identity.ranks),
-            secret=identity.secret, host=identity.host, persist=identity.replica_id == 0)
+            secret=identity.secret, host=identity.host, persist=identity.replica_id == 0,
+            held=(HeldFiles.open(config.ckpt.backup_dir, identity.job_id, identity.node,
+                                 str(run_dir)) if config.ckpt.peer_backup else None))
         state.bind_snapshots(self._ckpt.snapshots)
         mine = (self._ftar.address, (self._ckpt.address.host, self._ckpt.address.port))
         gathered = self._group.all_gather(mine)
@@ -147,10 +178,12 @@ class Manager:
         self._agent: QuorumAgent | None = None
         if identity.rank == 0:
             directory = FileDirectory(run_dir / "peers", identity.secret, identity.job_id)
+            # The controller is a witness when there is one (it writes the heartbeat).
+            witnesses = job_witnesses(config.quorum, controller=identity.heartbeat is not None)
             self._agent = QuorumAgent(identity.replica_id, range(identity.num_replicas),
                                      directory, identity.secret, config.quorum,
                                      job_id=identity.job_id, host=identity.host,
-                                     event_log=self._events).start()
+                                     event_log=self._events, witnesses=witnesses).start()
             if config.runtime.drop_lost_members:
                 self._agent.subscribe(self._on_quorum_event)
         # Rank 0 watches the controller; its ranks hear of a loss with the quorum's answer.
@@ -211,8 +244,15 @@ class Manager:
     def _restore_persistent(self) -> None:
         """After a full restart: resume from the newest step that every rank of this
         replica restores soundly from ckpt's tiers (a replica that comes back older than
-        the others catches up from them at its first quorum)."""
-        chain = self._ckpt.restore_chain()
+        the others catches up from them at its first quorum). The tiers include the peer
+        backups that this replica's ranks find on their nodes: after every replica was
+        lost at once, those are newer than the persistent tier."""
+        me = self._identity
+        found = self._group.all_gather((me.node, (self._ckpt.address.host,
+                                                  self._ckpt.address.port),
+                                        self._ckpt.held_copies()))
+        chain = self._ckpt.restore_chain(held=peer_copies(
+            [(node, Peer(*server), copies) for node, server, copies in found], me.rank))
         listed, _ = chain.available()
         held = self._group.all_gather(sorted({candidate.step for candidate in listed}))
         for step in sorted(set.intersection(*map(set, held)), reverse=True):
@@ -223,12 +263,34 @@ class Manager:
                 restored = None
             if self._group.all_true(restored is not None):
                 assert restored is not None
-                loader_state = self._state.load(restored.manifest, restored.buffer)
+                loader_state = self._load_restored(restored)
+                if not self._group.all_true(loader_state is not None):
+                    continue
+                assert loader_state is not None
                 self._ledger = DataLedger.from_state(dict(loader_state),
                                                     self._identity.num_replicas)
                 self._next_step = restored.step + 1
                 log.info("restored step %d from %s", restored.step, restored.tier.value)
+                # a replica that comes back older fetches this step from us at the first
+                # quorum: it must be in the snapshot buffers, not only in the model
+                self._ckpt.snapshot_restored(restored.step, self._state.snapshot_source(
+                    restored.step, self._ledger.to_state()))
+                self._events.emit(StateRestored(
+                    replica_id=me.replica_id, rank=me.rank, step=restored.step,
+                    tier=restored.tier.value, skipped=list(restored.skipped)))
                 return
+
+    def _load_restored(self, restored: Restored) -> Mapping[str, Any] | None:
+        """Load a restored copy into the model; None for a peer's copy laid out for
+        another model (not this job's: a reused job id), which is passed over."""
+        try:
+            return self._state.load(restored.manifest, restored.buffer)
+        except LayoutMismatchError as error:
+            if restored.tier is not TierKind.PEER:
+                raise
+            log.warning("the backup peer's copy of step %d does not fit this model, passed "
+                        "over: %s", restored.step, error)
+            return None
 
     # ------------------------------------------------------------------ the step
 
@@ -236,6 +298,9 @@ class Manager:
         """Start the next step: the quorum is asked on the exchange thread, so this
         returns at once and forward runs beside it. ``plan`` waits for the answer."""
         self._error, self._contribution, self._catch_up, self._plan = None, None, None, None
+        # what the commit reports of the step: its time, the time this rank waited for
+        # the others (the ring, the replica's vote), its reduced gradients' norm
+        self._step_started, self._waited, self._norm = time.monotonic(), 0.0, GradientNorm()
         self._plan_ready.clear()
         self._started, self._exchanged = True, False
         self._work.begin(self._settle_step)
@@ -279,13 +344,23 @@ class Manager:
             attempt_started = time.monotonic()
             try:
                 view = self._quorum_view()
-                return plan_step(view, self._identity.replica_id, self._identity.rank,
+                plan = plan_step(view, self._identity.replica_id, self._identity.rank,
                                  self._quorum_id, self._next_step)
+                if plan.reconfigure:
+                    self._route_backups(view)
+                return plan
             except RecoverableError as error:
                 log.warning("no quorum for step %d yet: %s", self._next_step, error)
                 self._budget.failed(error, self._next_step)
                 time.sleep(max(0.0, attempt_started + self._config.quorum.join_timeout
                                - time.monotonic()))
+
+    def _route_backups(self, view: QuorumView) -> None:
+        """A new quorum: this rank's backup goes to the rank the placement picks over
+        the members (their payloads say where every rank's state server is)."""
+        members = tuple((replica, decode_endpoints(text).state) for replica, text in view.members)
+        self._ckpt.route_backups(route_backups(members, self._identity.replica_id,
+                                               self._identity.rank))
 
     def _quorum_view(self) -> QuorumView:
         """Rank 0 asks the quorum; every rank of the replica gets its answer (or error)."""
@@ -327,7 +402,8 @@ class Manager:
         self._in_gradient_allreduce = True
         try:
             corrupt = self._faults.check(FaultPoint.GRADIENTS, plan.step)
-            reduce(Reduction(self._ftar, plan.step, plan.kind is StepKind.TRAIN, corrupt))
+            reduce(Reduction(self._ftar, plan.step, plan.kind is StepKind.TRAIN, corrupt,
+                             self._norm))
         finally:
             self._in_gradient_allreduce = False
 
@@ -340,7 +416,9 @@ class Manager:
         if not self._started:
             raise RuntimeError("start_step() first")
         self.reduce_gradients(self._state.reduce_gradients)
+        waiting = time.monotonic()
         error = self._work.wait()
+        self._waited += time.monotonic() - waiting
         self._exchanged = True
         if error is not None:
             self._error = error.with_ids(replica_id=self._identity.replica_id,
@@ -366,7 +444,10 @@ class Manager:
         self._started = False
         self._faults.check(FaultPoint.BEFORE_COMMIT, plan.step)
         fetched = self._await_catch_up()
-        if not self._group.all_true(self._error is None):
+        waiting = time.monotonic()
+        healthy = self._group.all_true(self._error is None)
+        self._waited += time.monotonic() - waiting
+        if not healthy:
             return self._discard(plan)
         assert self._contribution is not None
         if fetched is not None:
@@ -387,7 +468,9 @@ class Manager:
         self._events.emit(StepCommitted(
             replica_id=self._identity.replica_id, rank=self._identity.rank, step=plan.step,
             quorum_id=plan.quorum_id, contributors=self._contribution.contributors,
-            caught_up=fetched is not None, lr_factor=factor, loss=loss))
+            caught_up=fetched is not None, lr_factor=factor, loss=loss,
+            grad_norm=self._norm.value, step_s=time.monotonic() - self._step_started,
+            wait_s=self._waited))
         self._faults.check(FaultPoint.AFTER_COMMIT, plan.step)
         return True
 
@@ -504,12 +587,13 @@ class Manager:
         # replica's nodes computed NaN/Inf, and whether a non-finite average was seen.
         seen = isinstance(error, NonFiniteGradientsError)
         own = isinstance(error, NonFiniteGradientsError) and error.own
-        gathered = self._group.all_gather((self._identity.node if own else None, seen))
-        nonfinite = sorted({node for node, _ in gathered if node is not None})
+        values = error.values if isinstance(error, NonFiniteGradientsError) else 0
+        gathered = self._group.all_gather((self._identity.node if own else None, seen, values))
+        nonfinite = sorted({node for node, _, _ in gathered if node is not None})
         # Another replica's NaN reached the average: not this replica's failure. Its
         # budget is kept for its own faults, and the controller evicts the node that
         # computes them (recovery.nonfinite_limit).
-        bystander = any(s for _, s in gathered) and not nonfinite
+        bystander = any(s for _, s, _ in gathered) and not nonfinite
         self._state.zero_gradients()
         self._quorum_id = None  # the ring may be broken: rebuild it under the next quorum
         if self._agent is not None:
@@ -517,7 +601,8 @@ class Manager:
         self._events.emit(StepDiscarded(replica_id=self._identity.replica_id,
                                        rank=self._identity.rank, step=plan.step,
                                        quorum_id=plan.quorum_id, reason=str(error),
-                                       nonfinite_nodes=nonfinite))
+                                       nonfinite_nodes=nonfinite,
+                                       nonfinite_values=sum(v for _, _, v in gathered)))
         if not bystander:
             self._budget.failed(error, plan.step)
         return False
@@ -534,12 +619,18 @@ class Manager:
             handle.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
+        # Called from the training script's ``finally``: with no exception on its way
+        # the run is over, and the backups held on this node are of no more use
+        # (after a crash or a kill they are kept: the job's next incarnation needs them).
+        finished = sys.exc_info()[0] is None
         if self._controller is not None:
             self._controller.stop()
         if self._agent is not None:
             self._agent.stop()
         self._work.close()
         self._ckpt.wait_persisted(self._config.ckpt.fetch_timeout)
+        if finished:
+            self._ckpt.discard_held()
         self._ckpt.close()
         self._ftar.close()
         stats = self._ftar.stats()

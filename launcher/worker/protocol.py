@@ -21,11 +21,13 @@ Address = tuple[str, int]
 
 class NonFiniteGradientsError(RecoverableError):
     """The replicas' averaged gradients hold NaN or Inf: every replica discards the step.
-    ``own``: this rank's own contribution was already non-finite (its node computed it)."""
+    ``own``: this rank's own contribution was already non-finite (its node computed it);
+    ``values``: how many of its values were (counted only then)."""
 
-    def __init__(self, message: str, *, own: bool, **ids: object) -> None:
+    def __init__(self, message: str, *, own: bool, values: int = 0, **ids: object) -> None:
         super().__init__(message, **ids)  # type: ignore[arg-type]
         self.own = own
+        self.values = values
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
-from .identity import task_world_env
+from ftcore.errors import UsageError
+
+from .identity import WorkerIdentity, task_world_env
+from .pids import write_rank_pid
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,12 +23,22 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("usage: python -m launcher.worker.task -- COMMAND [ARGS...]\n")
         return 2
     env = {**os.environ, **task_world_env(os.environ)}
+    announce_pid(env)
     try:
         os.execvpe(args[0], args, env)
     except OSError as error:
         sys.stderr.write(f"launcher.worker.task: cannot run {args[0]!r}: {error}\n")
         return 127
     return 0  # not reached
+
+
+def announce_pid(env: Mapping[str, str]) -> None:
+    """Where a hang diagnosis finds this task from its start (the pid outlives the
+    exec; the manager writes the file again once it runs)."""
+    try:
+        write_rank_pid(WorkerIdentity.from_env(env))
+    except (UsageError, OSError) as error:
+        sys.stderr.write(f"launcher.worker.task: no pid file written ({error})\n")
 
 
 if __name__ == "__main__":

@@ -77,22 +77,27 @@ def reduce_gradient(reduction: Reduction, tensor: torch.Tensor) -> None:
     non-finite average fails the step on every replica alike (module doc)."""
     if reduction.corrupt:
         tensor.view(-1)[0] = float("nan")
-    own_finite = not reduction.contributes or _finite(tensor)
+    own_finite = not reduction.contributes or math.isfinite(_norm(tensor))
+    # counted before the reduction overwrites them; a pass only on this rare path
+    own_bad = 0 if own_finite else int((~torch.isfinite(tensor)).sum())
     allreduce_tensor(reduction.ftar, tensor, ReduceOp.AVG, reduction.contributes,
                      reduction.step)
-    if not _finite(tensor):
+    norm = _norm(tensor)
+    reduction.norm.add(norm)
+    if not math.isfinite(norm):
         raise NonFiniteGradientsError(
             f"step {reduction.step}: the replicas' averaged gradients hold NaN or Inf "
             f"({'this rank' if not own_finite else 'another replica'} contributed them); "
-            "every replica discards the step and retries it", own=not own_finite)
+            "every replica discards the step and retries it", own=not own_finite,
+            values=own_bad)
 
 
-def _finite(tensor: torch.Tensor) -> bool:
-    # NaN and Inf survive a sum, which is one pass that allocates nothing (isfinite is
-    # ~100x slower on CPU). fp32 and bf16 sums overflow only for gradients too large for
-    # the dtype anyway; fp16's range is not enough for a sum of many.
-    total = tensor.sum(dtype=torch.float32) if tensor.dtype == torch.float16 else tensor.sum()
-    return math.isfinite(float(total))
+def _norm(tensor: torch.Tensor) -> float:
+    # One pass that allocates nothing gives both the norm the controller watches and
+    # the finiteness check: NaN and Inf survive it (isfinite is ~100x slower on CPU).
+    # It accumulates in fp32, so only a gradient above ~1e19 (a divergence anyway)
+    # overflows to Inf and counts as non-finite.
+    return float(torch.linalg.vector_norm(tensor, dtype=torch.float32))
 
 
 def _reduce(reduction: Reduction, tensor: torch.Tensor, ready: Any) -> None:

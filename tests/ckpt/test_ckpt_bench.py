@@ -75,3 +75,26 @@ def test_the_resident_variant_trains_its_own_trainer_against_the_torch_baseline(
     with snapshotter.lease() as snap:
         start = snap.buffer.ctypes.data
         assert start <= first.data_ptr() < start + snap.buffer.nbytes  # resident, not copied
+
+
+def test_backup_every_cost_reports_each_interval_and_the_default():
+    """Pushes every k steps: each k measured with runs of at least 3 k steps, with
+    torch's Adam and with ResidentAdam (the product's CPU optimizer)."""
+    trainer = tiny_trainer()
+    trainer.run(2, None)
+    lazy = bench.backup_every_cost(trainer, [2, 3], pairs=1, steps=1, max_foreign=1.0,
+                                   max_rounds=1, nice=0)
+    resident = bench.backup_every_cost(trainer, [2], pairs=1, steps=1, max_foreign=1.0,
+                                       max_rounds=1, nice=0,
+                                       backed=bench.Trainer(width=16, layers=2, batch=4,
+                                                            resident=True))
+    assert set(lazy) == {"2", "3"} and set(resident) == {"2"}
+    assert lazy["3"]["steps_per_run"] == 9 and all(v["failed"] == 0 for v in lazy.values())
+    summary = {**bench.backup_every_summary(lazy),
+               **bench.backup_every_summary(resident, resident=True)}
+    assert set(summary) == {"backup_overhead_pct_by_every", "backup_overhead_cpu_pct_by_every",
+                            "backup_resident_overhead_pct_by_every",
+                            "backup_resident_overhead_cpu_pct_by_every", "backup_every_default"}
+    assert set(summary["backup_overhead_pct_by_every"]) == {"2", "3"}
+    assert summary["backup_every_default"] == bench.DEFAULTS.backup_every
+    assert bench.backup_every_summary(None) == {}

@@ -70,7 +70,7 @@ def test_behind_replica_catches_up_and_ends_identical(tmp_path):
 def test_restarted_rank_restores_from_its_backup_peer(tmp_path):
     first, second = _ranks(tmp_path)
     first.close()
-    config = CkptConfig(dir=str(tmp_path / "shared"), persist_every=100)
+    config = CkptConfig(dir=str(tmp_path / "shared"), persist_every=100, backup_every=1)
     first = RankCheckpointer(config, RankPlace(0, 2, 0, 1), secret=SECRET, host="127.0.0.1",
                              backup_peer=second.address, accept_backups_from={1})
     try:

@@ -60,7 +60,7 @@ class Tiers:
 
     def chain(self, *, memory: bool = True, peer: Peer | None = None,
               events: EventLog | None = None, wrap_memory=None) -> RestoreChain:
-        tiers = [PeerTier(peer or self.peer, SECRET, rank=0, timeout=5),
+        tiers = [PeerTier.of(peer or self.peer, SECRET, rank=0, timeout=5),
                  DiskTier(self.local, TierKind.LOCAL_DISK),
                  DiskTier(self.persistent, TierKind.PERSISTENT)]
         if memory:
@@ -181,7 +181,7 @@ def test_exact_step_for_a_common_restore(tiers):
 def test_nothing_sound_anywhere_lists_every_reason(tmp_path):
     empty = PersistentStore(tmp_path, rank=0, world_size=1)
     chain = RestoreChain([MemoryTier(DualBufferSnapshotter().buffers),
-                          PeerTier(_dead_peer(), SECRET, rank=0, timeout=2),
+                          PeerTier.of(_dead_peer(), SECRET, rank=0, timeout=2),
                           DiskTier(empty, TierKind.PERSISTENT)], rank=0)
     with pytest.raises(NoCheckpointError, match="no sound checkpoint") as caught:
         chain.restore()

@@ -251,7 +251,7 @@ def test_backup_sender_pushes_each_new_snapshot():
     store = BackupStore()
     own = DualBufferSnapshotter(rank=0)
     with serving(backups=store) as backup_rank:
-        sender = BackupSender(own.buffers, backup_rank, SECRET, rank=0, timeout=10,
+        sender = BackupSender(own.buffers, backup_rank, SECRET, rank=0, every=1, timeout=10,
                               poll_interval=0.05).start()
         try:
             for step in (1, 2, 3):

@@ -9,10 +9,15 @@ serves them all (a path-named unix socket crosses network namespaces).
 The root namespace gets no address in the cluster's subnet, only a blackhole
 route for it, so no test traffic can leave the machine.
 
-Everything lives in one state directory (``$FTL_CLUSTER_DIR``, default
+Everything lives in one state directory (``$LAB_CLUSTER_DIR``, default
 ``<tmp>/ftl-slurm-cluster``); ``down`` stops the daemons it started, by the PIDs
 it recorded, ends what still runs in its namespaces, and removes what it made.
 Must run as root. Works with Slurm 22.05 (Debian 12) and 24.11 (Debian 13).
+
+``--slurm R`` / ``$LAB_SLURM_RELEASE=R`` instead runs release R (22.05, 24.11,
+26.05) from a Debian root, beside the host's cluster, under an identity of its
+own (``instance.py``); slurmctld, each slurmd, munged and every client command
+then run inside that root (``debroot.py``).
 """
 
 from __future__ import annotations
@@ -24,15 +29,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SUBNET = "10.77.0"
+from . import debroot, instance
+
 CONTROLLER = "ftlctl"
-NETNS_PREFIX = "ftl-"
-BRIDGE = "ftlbr0"
 HOSTS_BEGIN = "# BEGIN ftl-slurm-cluster"
 HOSTS_END = "# END ftl-slurm-cluster"
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -56,11 +62,13 @@ class ClusterState:
     nodes: list[str]
     pids: dict[str, int] = field(default_factory=dict)
     hooks: Hooks = field(default_factory=Hooks)
+    release: str = instance.HOST
 
     @staticmethod
     def load(path: Path) -> ClusterState:
         raw = json.loads(path.read_text())
-        return ClusterState(nodes=raw["nodes"], pids=raw["pids"], hooks=Hooks(**raw["hooks"]))
+        return ClusterState(nodes=raw["nodes"], pids=raw["pids"], hooks=Hooks(**raw["hooks"]),
+                            release=raw.get("release", instance.HOST))
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -69,16 +77,24 @@ class ClusterState:
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("FTL_CLUSTER_DIR")
-                or Path(tempfile.gettempdir()) / "ftl-slurm-cluster")
+    return Path(os.environ.get("LAB_CLUSTER_DIR") or instance.current().default_state_dir)
+
+
+def subnet() -> str:
+    return instance.current().subnet
 
 
 def node_address(index: int) -> str:
-    return f"{SUBNET}.{10 + index}"
+    return f"{subnet()}.{10 + index}"
 
 
 def netns(host: str) -> str:
-    return NETNS_PREFIX + host
+    return instance.current().netns_prefix + host
+
+
+def in_root() -> list[str]:
+    """The prefix that runs a command inside the release's root ([] on the host)."""
+    return [] if instance.current().root is None else [str(state_dir() / "in-root")]
 
 
 def run(*argv: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
@@ -93,7 +109,7 @@ def slurm_conf(base: Path, nodes: list[str], hooks: Hooks) -> str:
     """slurm.conf for the lab cluster (choices explained in shared/docs/slurm-lab.md)."""
     lines = [
         "ClusterName=ftl",
-        f"SlurmctldHost={CONTROLLER}({SUBNET}.1)",
+        f"SlurmctldHost={CONTROLLER}({subnet()}.1)",
         "SlurmUser=root",
         "SlurmdUser=root",
         # cred_expire: a requeued job may start again only after it (120 s by default);
@@ -158,6 +174,14 @@ def client_env(base: Path | None = None) -> dict[str, str]:
 
 
 def ensure_packages() -> None:
+    if instance.current().root is not None:
+        try:
+            _, how = debroot.ensure_root(instance.current().release)
+        except debroot.RootError as error:
+            raise SystemExit(f"slurm-cluster: cannot bring up {instance.current().label}: "
+                             f"{error}") from None
+        print(f"{instance.current().label}: root {how}", file=sys.stderr)
+        return
     if shutil.which("slurmctld") and shutil.which("munged") and shutil.which("sbatch"):
         return
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -167,12 +191,12 @@ def ensure_packages() -> None:
 
 
 def make_network(nodes: list[str]) -> None:
-    ctl = netns(CONTROLLER)
+    ctl, bridge, net = netns(CONTROLLER), instance.current().bridge, subnet()
     run("ip", "netns", "add", ctl)
     run("ip", "-n", ctl, "link", "set", "lo", "up")
-    run("ip", "-n", ctl, "link", "add", BRIDGE, "type", "bridge")
-    run("ip", "-n", ctl, "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
-    run("ip", "-n", ctl, "link", "set", BRIDGE, "up")
+    run("ip", "-n", ctl, "link", "add", bridge, "type", "bridge")
+    run("ip", "-n", ctl, "addr", "add", f"{net}.1/24", "dev", bridge)
+    run("ip", "-n", ctl, "link", "set", bridge, "up")
     for index, node in enumerate(nodes, start=1):
         ns = netns(node)
         run("ip", "netns", "add", ns)
@@ -180,17 +204,21 @@ def make_network(nodes: list[str]) -> None:
         peer = f"ftlv{index}"
         run("ip", "-n", ctl, "link", "add", peer, "type", "veth", "peer", "name", "eth0",
             "netns", ns)
-        run("ip", "-n", ctl, "link", "set", peer, "master", BRIDGE)
+        run("ip", "-n", ctl, "link", "set", peer, "master", bridge)
         run("ip", "-n", ctl, "link", "set", peer, "up")
         run("ip", "-n", ns, "addr", "add", f"{node_address(index)}/24", "dev", "eth0")
         run("ip", "-n", ns, "link", "set", "eth0", "up")
     # Nothing in the root namespace may reach the lab subnet (no traffic leaves).
-    run("ip", "route", "replace", "blackhole", f"{SUBNET}.0/24", check=False)
+    run("ip", "route", "replace", "blackhole", f"{net}.0/24", check=False)
 
 
 def write_hosts(nodes: list[str]) -> None:
-    entries = [f"{SUBNET}.1 {CONTROLLER}"]
+    entries = [f"{subnet()}.1 {CONTROLLER}"]
     entries += [f"{node_address(i)} {n}" for i, n in enumerate(nodes, start=1)]
+    root = instance.current().root
+    if root is not None:   # the release's own /etc/hosts: the host's stays as it is
+        debroot.write_hosts(root, entries)
+        return
     remove_hosts()
     with open("/etc/hosts", "a", encoding="utf-8") as hosts:
         hosts.write("\n".join([HOSTS_BEGIN, *entries, HOSTS_END]) + "\n")
@@ -213,6 +241,7 @@ def remove_hosts() -> None:
 def start_in_namespace(host: str, argv: list[str], log: Path) -> int:
     """Start a daemon in ``host``'s network + its own UTS namespace; return its PID."""
     script = f'hostname {host} && exec "$@"'
+    argv = [*in_root(), *argv]
     with log.open("ab") as out:
         proc = subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{netns(host)}", "unshare", "--uts",
@@ -231,7 +260,7 @@ def start_munge(base: Path) -> int:
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
     log = base / "log" / "munged.log"
-    subprocess.run(["munged", "--force", f"--socket={munge}/munge.socket",
+    subprocess.run([*in_root(), "munged", "--force", f"--socket={munge}/munge.socket",
                     f"--key-file={key}", f"--pid-file={munge}/munged.pid",
                     f"--log-file={log}", f"--seed-file={munge}/munged.seed"],
                    check=True, timeout=30, capture_output=True)
@@ -249,11 +278,16 @@ def up(nodes_count: int = DEFAULT_NODES, hooks: Hooks | None = None,
         down()
     ensure_packages()
     nodes = [f"n{i}" for i in range(1, nodes_count + 1)]
-    state = ClusterState(nodes=nodes, hooks=hooks or Hooks())
+    state = ClusterState(nodes=nodes, hooks=hooks or Hooks(),
+                         release=instance.current().release)
     for sub in ("state", "spool", "run", "log"):
         (base / sub).mkdir(parents=True, exist_ok=True)
     (base / "slurm.conf").write_text(slurm_conf(base, nodes, state.hooks))
     state.save(base / "cluster.json")  # before anything starts, so down() can clean up
+    root = instance.current().root
+    if root is not None:
+        debroot.mount_shared(root)
+        debroot.write_enter_script(root, base / "in-root")
     make_network(nodes)
     write_hosts(nodes)
     state.pids["munged"] = start_munge(base)
@@ -284,7 +318,7 @@ def wait_idle(nodes: list[str], timeout: float) -> None:
 
 def ctl_prefix() -> list[str]:
     """Command prefix that runs a program on the login node (the controller namespace)."""
-    return ["nsenter", f"--net=/run/netns/{netns(CONTROLLER)}"]
+    return ["nsenter", f"--net=/run/netns/{netns(CONTROLLER)}", *in_root()]
 
 
 def ctl_run(argv: list[str], *, check: bool = True, timeout: float = 60,
@@ -351,6 +385,44 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
+
+
+@contextmanager
+def throttle_node(node: str, marker: bytes = b"train.py", stopped: float = 0.25,
+                  running: float = 0.05) -> Iterator[None]:
+    """A fail-slow node while the block runs: its processes whose command line holds
+    ``marker`` run ``running`` s of every ``stopped + running`` (SIGSTOP/SIGCONT bursts,
+    as on a node whose CPUs are throttled or oversubscribed); never stopped for long
+    enough to miss a quorum heartbeat window. Every one is running again afterwards."""
+    done = threading.Event()
+
+    def targets() -> list[int]:
+        pids = []
+        for pid in namespace_pids(node):
+            try:
+                if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(pid)
+            except OSError:
+                continue                 # exited meanwhile
+        return pids
+
+    def bursts() -> None:
+        while not done.is_set():
+            pids = targets()
+            for pid in pids:
+                _signal(pid, signal.SIGSTOP)
+            done.wait(stopped)           # the throttle's duty cycle, not a synchronisation
+            for pid in pids:
+                _signal(pid, signal.SIGCONT)
+            done.wait(running)
+
+    thread = threading.Thread(target=bursts, name=f"throttle-{node}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def revive_node(node: str) -> int:
@@ -443,8 +515,12 @@ def down(keep_logs: bool = False) -> None:
                 pass
     for host in hosts:
         run("ip", "netns", "del", netns(host), check=False)
-    run("ip", "route", "del", "blackhole", f"{SUBNET}.0/24", check=False)
-    remove_hosts()
+    run("ip", "route", "del", "blackhole", f"{subnet()}.0/24", check=False)
+    root = instance.current().root
+    if root is None:
+        remove_hosts()
+    else:   # nothing may stay mounted in the cached root
+        debroot.unmount_all(root)
     if keep_logs:
         (base / "cluster.json").unlink(missing_ok=True)
     else:
@@ -455,7 +531,8 @@ def status() -> str:
     state = current_state()
     if state is None:
         return f"down (no cluster in {state_dir()})"
-    lines = [f"state dir: {state_dir()}", f"SLURM_CONF={state_dir() / 'slurm.conf'}"]
+    lines = [f"{instance.current().label}; state dir: {state_dir()}",
+             f"SLURM_CONF={state_dir() / 'slurm.conf'}"]
     for name, pid in state.pids.items():
         lines.append(f"{name:10s} pid {pid:7d} {'running' if pid_alive(pid) else 'DEAD'}")
     res = ctl_run(["sinfo", "-N", "-o", "%N %t %E"], check=False, timeout=15)
@@ -466,39 +543,64 @@ def status() -> str:
 # --------------------------------------------------------------------------- CLI
 
 
+def env_line() -> str:
+    line = f"export SLURM_CONF={state_dir() / 'slurm.conf'}"
+    if instance.current().root is not None:   # tests find the cluster by this
+        line += f" LAB_SLURM_RELEASE={instance.current().release}"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="slurm-cluster",
         description="Bring a multi-node Slurm cluster up on this machine (one network "
                     "namespace per node), or down. Run as root.")
+    which = argparse.ArgumentParser(add_help=False)
+    which.add_argument("--slurm", metavar="RELEASE", default=instance.release_requested(),
+                       choices=[instance.HOST, *debroot.SUITES],
+                       help="which cluster: the host's Slurm (default; $LAB_SLURM_RELEASE) "
+                            "or a release run from a Debian root beside it")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_up = sub.add_parser("up", help="install Slurm+munge if missing, start ctld + N slurmd")
+    p_up = sub.add_parser("up", parents=[which],
+                          help="install Slurm+munge if missing, start ctld + N slurmd")
     p_up.add_argument("--nodes", type=int, default=DEFAULT_NODES)
-    p_down = sub.add_parser("down", help="stop every daemon and remove namespaces and files")
+    p_down = sub.add_parser("down", parents=[which],
+                            help="stop every daemon and remove namespaces and files")
     p_down.add_argument("--keep-logs", action="store_true")
-    sub.add_parser("status", help="daemons and node states")
-    sub.add_parser("env", help="print the export line for Slurm clients")
-    p_exec = sub.add_parser("exec", help="run a command on the login node (controller netns)")
+    sub.add_parser("status", parents=[which], help="daemons and node states")
+    sub.add_parser("env", parents=[which], help="print the export line for Slurm clients")
+    p_exec = sub.add_parser("exec", parents=[which],
+                            help="run a command on the login node (controller netns)")
     p_exec.add_argument("argv", nargs=argparse.REMAINDER)
-    p_conf = sub.add_parser("configure", help="set Prolog/Epilog/HealthCheckProgram")
+    p_conf = sub.add_parser("configure", parents=[which],
+                            help="set Prolog/Epilog/HealthCheckProgram")
     for hook in ("prolog", "epilog", "healthcheck", "prolog-flags"):
         p_conf.add_argument(f"--{hook}", default="")
     p_conf.add_argument("--healthcheck-interval", type=int, default=0)
     for verb in ("kill-node", "revive-node", "heal-node", "partition", "heal"):
-        sub.add_parser(verb).add_argument("node")
+        sub.add_parser(verb, parents=[which]).add_argument("node")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         parser.error("must run as root (network namespaces, daemons)")
+    os.environ["LAB_SLURM_RELEASE"] = args.slurm   # every helper below reads it
     if args.command == "up":
-        state = up(args.nodes)
-        print(f"up: {len(state.nodes)} nodes {','.join(state.nodes)}; "
-              f"export SLURM_CONF={state_dir() / 'slurm.conf'}")
+        started = time.monotonic()
+        try:
+            state = up(args.nodes)
+        except (debroot.RootError, subprocess.SubprocessError, OSError, TimeoutError) as error:
+            detail = getattr(error, "stderr", None) or ""
+            raise SystemExit(f"slurm-cluster: bring-up of {instance.current().label} failed: "
+                             f"{error} {detail}".rstrip() + f"\n  logs: {state_dir() / 'log'}; "
+                             f"clean up: slurm-cluster down --slurm {args.slurm}") from None
+        print(f"up: {instance.current().label}, {len(state.nodes)} nodes "
+              f"{','.join(state.nodes)} in {time.monotonic() - started:.1f} s; "
+              f"{env_line()}")
     elif args.command == "down":
         down(args.keep_logs)
     elif args.command == "status":
         print(status())
     elif args.command == "env":
-        print(f"export SLURM_CONF={state_dir() / 'slurm.conf'}")
+        print(env_line())
     elif args.command == "exec":
         cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         return subprocess.call([*ctl_prefix(), *cmd], env=client_env())

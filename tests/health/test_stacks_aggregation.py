@@ -18,6 +18,7 @@ from health.aggregation import (
     RankPlace,
     aggregate,
     choose_eviction,
+    hang_suspects,
     signature,
 )
 from health.stacks import Frame, ProcessStack, ThreadStack, parse_pyspy_json
@@ -151,3 +152,55 @@ def test_tracer_on_real_processes_finds_the_hung_pipeline(workers):
     winner = fail_slow_eviction({rank: p.pid for rank, p in enumerate(procs)}, topology(),
                                 rounds=2, interval=0.01, capture=counting_capture)
     assert winner.group == GroupKey("pp", "2") and len(rounds) == 2   # 4 of 6 agree
+
+
+TORCH_C10D = "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def in_collective(pid, *functions):
+    """A rank blocked in a torch collective called from ``functions`` (outermost first)."""
+    found = stack(pid, *functions)
+    thread = found.threads[0]
+    frames = (Frame("all_reduce", TORCH_C10D), *thread.frames)
+    return ProcessStack(pid, "S", (ThreadStack("MainThread", frames, main=True),))
+
+
+def replica_of_nodes(*nodes):
+    """One rank per node, all in replica 0, no tensor or pipeline groups."""
+    return [RankPlace(rank=r, node=n, replica_id=0) for r, n in enumerate(nodes)]
+
+
+def test_in_a_tied_pair_the_rank_not_waiting_for_its_peer_is_the_outlier():
+    """Two ranks: rank 0 waits in the commit vote's collective, rank 1 is deadlocked in
+    its own code. Two stacks of one rank each tie; the wait breaks the tie."""
+    stacks = {0: in_collective(10, "main", "commit", "all_true"),
+              1: stack(11, "main", "commit", "injected_deadlock")}
+    found, decision = hang_suspects(stacks, replica_of_nodes("n1a", "n1b"))
+    assert found.outliers == (1,) and found.waiting == (0,) and not found.ambiguous
+    assert decision.group == GroupKey("node", "n1b") and decision.nodes == ("n1b",)
+    # both waiting, or neither: no way to tell, every rank suspect, the whole replica
+    both = {0: stacks[0], 1: in_collective(11, "main", "forward", "all_gather")}
+    found, decision = hang_suspects(both, replica_of_nodes("n1a", "n1b"))
+    assert found.ambiguous and found.outliers == ()
+    assert decision.group == GroupKey("replica", "0") and decision.nodes == ("n1a", "n1b")
+
+
+def test_ranks_all_alike_make_every_rank_of_the_replica_suspect():
+    stacks = {r: in_collective(r, "main", "commit", "all_true") for r in range(4)}
+    found, decision = hang_suspects(stacks, replica_of_nodes("a", "b", "c", "d"))
+    assert found.outliers == () and not found.ambiguous
+    assert decision.nodes == ("a", "b", "c", "d") and decision.covers_all
+
+
+def test_a_layout_without_tensor_or_pipeline_groups_has_only_node_and_replica_groups():
+    from health.aggregation import parallel_groups
+    kinds = {key.kind for key in parallel_groups(replica_of_nodes("a", "b"))}
+    assert kinds == {"node", "replica"}
+
+
+def test_ft_launch_frames_count_as_ours_even_when_installed_in_site_packages(monkeypatch):
+    from health import aggregation
+    site = "/usr/lib/python3.11/site-packages/"
+    monkeypatch.setattr(aggregation, "OWN_PREFIXES", (site + "launcher/",))
+    assert not aggregation.is_library(site + "launcher/worker/faults.py")
+    assert aggregation.is_library(SITE) and aggregation.is_library(TORCH_C10D)

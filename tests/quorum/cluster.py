@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from ftcore.config import QuorumConfig
 from ftcore.ids import new_job_secret
 from launcher.quorum import FileDirectory, Quorum, QuorumAgent, QuorumStatus
+from launcher.quorum.witness_service import MemoryFile
 from tests.waiting import patience, wait_until
 
 from .helpers import FAST_CONFIG, round_timeout
@@ -30,9 +32,13 @@ JOB = "quorum-test"
 
 
 def member_main(conn: Any, replica_id: int, replicas: int, directory: str, secret: str,
-                config: dict[str, Any]) -> None:
+                config: dict[str, Any], witnesses: tuple[int, ...] = (),
+                memory: str = "") -> None:
+    """``memory``: a witness's memory file (``witness_service.MemoryFile``), if any."""
     agent = QuorumAgent(replica_id, range(replicas), FileDirectory(directory, secret, JOB),
-                        secret, QuorumConfig(**config), job_id=JOB).start()
+                        secret, QuorumConfig(**config), job_id=JOB, witnesses=witnesses,
+                        electable=replica_id not in witnesses,
+                        memory=MemoryFile(Path(memory), JOB) if memory else None).start()
     lock = threading.Lock()
 
     def reply(*message: Any) -> None:
@@ -75,7 +81,7 @@ class Member:
         self.process = ctx.Process(
             target=member_main, daemon=True,
             args=(theirs, replica_id, cluster.replicas, str(cluster.directory), cluster.secret,
-                  asdict(cluster.config)))
+                  asdict(cluster.config), cluster.witnesses, cluster.memory_of(replica_id)))
         self.process.start()
         self.answers: dict[int, Any] = {}
         self.replies: list[Any] = []
@@ -106,16 +112,27 @@ class Member:
 
 class Cluster:
     def __init__(self, tmp_path: Path, running: int, replicas: int | None = None,
-                 config: QuorumConfig = FAST_CONFIG) -> None:
+                 config: QuorumConfig = FAST_CONFIG, witnesses: tuple[int, ...] = (),
+                 witness_memory: bool = False) -> None:
+        """``witnesses``: voter ids of witness members, started after the replicas;
+        ``witness_memory``: each keeps its memory in a file (as in a job), which
+        a witness started again reads back."""
         self.ctx = mp.get_context("spawn")
+        self.witness_memory = witness_memory
         self.replicas = replicas or running
+        self.witnesses = tuple(witnesses)
         self.directory = tmp_path / "peers"
         self.secret = new_job_secret()
         self.config = config
         self.round_timeout = round_timeout(config)
         self.members: dict[int, Member] = {}
-        for r in range(running):
+        for r in [*range(running), *self.witnesses]:
             self.start(r)
+
+    def memory_of(self, replica_id: int) -> str:
+        if not self.witness_memory or replica_id not in self.witnesses:
+            return ""
+        return str(self.directory.parent / f"witness-{replica_id}.memory.json")
 
     def start(self, replica_id: int) -> Member:
         member = Member(self.ctx, replica_id, self)
@@ -241,3 +258,7 @@ class Cluster:
             if member.process.is_alive():
                 member.process.kill()
                 member.process.join(5)
+
+
+#: ``make_cluster(running, **kwargs)``: the fixture in this folder's conftest
+MakeCluster = Callable[..., Cluster]

@@ -50,17 +50,21 @@ class Sim:
     _queue: list[tuple[float, int, int, Input]] = field(default_factory=list)
     _order: Any = field(default_factory=itertools.count)
     _rng: random.Random = field(default_factory=random.Random)
+    #: Voters that never train (their ids among every member's voters).
+    witnesses: Iterable[int] = ()
 
     def __post_init__(self) -> None:
         self._rng.seed(self.seed)
-        ids = list(self.replicas)
+        self.witnesses = tuple(self.witnesses)
+        ids = list(self.replicas) + list(self.witnesses)
         for r in ids:
             self.start(r, ids)
 
     def start(self, r: int, ids: Iterable[int] | None = None, seq_base: int = 0) -> None:
         voters = list(ids) if ids is not None else sorted(self.states[r].voters)
         self.states[r] = initial_state(r, voters, self.params, self.now,
-                                       seed=self.seed, join_seq_base=seq_base)
+                                       seed=self.seed, join_seq_base=seq_base,
+                                       witnesses=self.witnesses)
         self.dead.discard(r)
         self.delivered.setdefault(r, [])
         self.failed.setdefault(r, [])

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import zmq
@@ -19,28 +17,12 @@ from launcher.quorum.model import HeartbeatAcked, VoteRequested
 from launcher.quorum.wire import Codec
 from tests.waiting import wait_until
 
-from .cluster import CALL_TIMEOUT, JOB, Cluster
+from .cluster import CALL_TIMEOUT, JOB, MakeCluster
 from .helpers import FAST_CONFIG
 
 pytestmark = pytest.mark.timeout(90)
 
 FIVE = list(range(5))
-MakeCluster = Callable[..., Cluster]
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
-    made: list[Cluster] = []
-
-    def make(running: int, **kwargs: object) -> Cluster:
-        cluster = Cluster(tmp_path / str(len(made)), running, **kwargs)  # type: ignore[arg-type]
-        made.append(cluster)
-        return cluster
-    yield make
-    for cluster in made:
-        cluster.close()
-
-
 def test_leader_killed_mid_round(make_cluster: MakeCluster) -> None:
     # What failover costs: the survivors notice the silence (election timeout),
     # elect (timeout + spread, the spread at least one election timeout) and the

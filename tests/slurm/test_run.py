@@ -293,6 +293,29 @@ def test_a_node_whose_gpu_corrupts_gradients_is_found_drained_and_replaced(train
     assert discarded and all(e.nonfinite_nodes == [bad] for e in discarded)
 
 
+def test_a_fail_slow_node_is_named_drained_and_replaced(training, slurm_cluster):
+    """One replica node is throttled: every replica's steps slow down with it, but only
+    its own part of each step grows (the others wait for it). The controller names it
+    after recovery.slow_window steps, drains it and promotes the standby; the others
+    never stop, and nothing is lost."""
+    run = training(FTL_RECOVERY_SLOW_WINDOW="15")
+    run.wait_training(40)
+    (victim,) = run.victims(1)
+    victim_replica = next(r for r, n in run.replica_nodes().items() if n == victim)
+    with labcluster.throttle_node(victim):
+        (found,) = wait_until(lambda: run.events(controller_events.FailSlowDetected), 150,
+                              f"{victim} to be found fail-slow")
+        assert found.replica_id == victim_replica and found.nodes == [victim]
+        assert found.own_s > 2 * found.peers_s
+        (promoted,) = run.wait_promoted(1)
+    assert promoted.replica_id == victim_replica
+    (info,) = slurm_cluster.slurm.nodes((victim,))
+    assert info.drained and info.reason.startswith(f"ft: fail-slow: replica {victim_replica}")
+    summary = run.finish()
+    assert summary["promotions"] == 1 and summary["nodes_drained"] == [victim]
+    assert summary["full_restarts"] == 0
+
+
 def test_standby_node_dying_during_its_promotion_passes_the_replica_on(training):
     run = training(standby=2, steps=1400)
     run.wait_training(60)

@@ -102,7 +102,10 @@ def test_a_relaunched_replica_gets_the_start_timeout_alone():
     assert crashed.run.replica(0).state is ReplicaState.RECOVERING
     assert not orders(lc.decide(crashed, lc.Tick(), at(1 + POLICY.start_timeout)))
     late = lc.decide(crashed, lc.Tick(), at(2 + POLICY.start_timeout))
-    assert rc.CancelReplica(0) in late.actions and "made no progress" in late.reason
+    assert orders(late) == [lc.DiagnoseHang(0, ("n0",))] and "made no progress" in late.reason
+    evicted = lc.decide(late.state, lc.HangDiagnosed(0, ("n0",), "rank 0 on n0 in load"),
+                        at(3 + POLICY.start_timeout))
+    assert rc.CancelReplica(0) in evicted.actions
 
 
 def test_a_crash_that_rolls_back_an_update_relaunches_in_place():
@@ -165,8 +168,13 @@ def test_a_replica_the_quorum_lost_is_evicted_once_the_reporter_trains_on_withou
         state = lc.decide(state, lc.StepsCommitted(r), at(1)).state
     reported = lc.decide(state, lc.QuorumLostMembers(0, (2,)), at(2))
     assert orders(reported) == [] and reported.state.suspects == ((2, 0),)
-    # the reporter commits again without it (long before lost_timeout): lost
-    on = lc.decide(reported.state, lc.StepsCommitted(0), at(3))
+    # too soon: replica 2 committed less than member_timeout ago (it may be alive)
+    early = lc.decide(reported.state, lc.StepsCommitted(0), at(2.5))
+    assert orders(early) == [] and early.state.suspects == ((2, 0),)
+    # the reporter commits again without it (long before lost_timeout), and replica 2
+    # has been silent (since 1) for as long as the quorum waits for a member: lost
+    on = lc.decide(early.state, lc.StepsCommitted(0), at(1 + state.policy.member_timeout))
+    assert on.state.suspects == ()
     assert orders(on)[:3] == [rc.EvictNode("n2", orders(on)[0].reason), rc.CancelReplica(2),
                               rc.PromoteStandby(2, "s1")]
     assert orders(on)[0].reason == "the quorum of replica 0 lost replica 2, and replica 0 trained on without it"
@@ -192,3 +200,91 @@ def test_a_relaunched_replica_reported_lost_is_not_evicted():
     reported = lc.decide(crashed, lc.QuorumLostMembers(0, (1,)), at(2))
     assert reported.state.suspects == ()
     assert orders(lc.decide(reported.state, lc.StepsCommitted(0), at(3))) == []
+
+
+# --------------------------------------------------------------------------- hang diagnosis
+
+
+def two_node_replicas(standby=("s1",), policy=POLICY):
+    """Three replicas of two nodes (nXa, nXb), launched at t=0 and started."""
+    run = RunState.initial(("python", "train.py"), "a" * 64,
+                           {r: (f"n{r}a", f"n{r}b") for r in range(3)}, 1000.0,
+                           standby=standby, nodes_per_replica=2)
+    state = lc.decide(lc.ControllerState.initial(run, policy), lc.RunStarted(), at(0)).state
+    for r in range(3):
+        state = lc.decide(state, lc.ProcessStarted(r), at(0)).state
+    return state
+
+
+def replica_2_stalls(state):
+    """Replicas 0 and 1 commit every second; replica 2 never does. Returns the state and
+    the first decision that ordered something, and when."""
+    for t in range(1, 30):
+        for r in (0, 1):
+            state = lc.decide(state, lc.StepsCommitted(r), at(t)).state
+        decision = lc.decide(state, lc.Tick(), at(t))
+        state = decision.state
+        if orders(decision):
+            return state, decision, t
+    raise AssertionError("replica 2 was never found stalled")
+
+
+def test_a_stalled_replica_is_diagnosed_before_anything_is_cancelled():
+    state, decision, t = replica_2_stalls(two_node_replicas())
+    assert t > POLICY.lost_timeout
+    assert orders(decision) == [lc.DiagnoseHang(2, ("n2a", "n2b"))]
+    assert "made no progress" in decision.reason
+    assert not any(isinstance(a, NodeFaultDetected) for a in decision.actions)
+    # while its stacks are taken, time passing orders nothing more
+    later = lc.decide(state, lc.Tick(), at(t + 5))
+    assert orders(later) == []
+    found = lc.decide(later.state, lc.HangDiagnosed(
+        2, ("n2b",), "rank 1 on n2b, pid 7 in injected_deadlock (faults.py:120)"), at(t + 6))
+    (record,) = [a for a in found.actions if isinstance(a, NodeFaultDetected)]
+    assert (record.node, record.replica_id) == ("n2b", 2)
+    evict, cancel, relaunch = orders(found)
+    assert evict == rc.EvictNode("n2b", evict.reason)
+    assert evict.reason.startswith("hang: rank 1 on n2b, pid 7 in injected_deadlock")
+    assert "replica 2 made no progress" in evict.reason
+    assert cancel == rc.CancelReplica(2)
+    assert relaunch == rc.RelaunchReplica(2, ("n2a", "s1"))   # the healthy node stays
+    assert found.state.diagnosing == ()
+
+
+def test_a_failed_diagnosis_evicts_every_node_of_the_replica_relaunched_once():
+    state, _, t = replica_2_stalls(two_node_replicas(standby=("s1", "s2")))
+    found = lc.decide(state, lc.HangDiagnosed(2, (), error="srun on n2a did not start"),
+                      at(t + 1))
+    evicted = [a.node for a in orders(found) if isinstance(a, rc.EvictNode)]
+    assert evicted == ["n2a", "n2b"]
+    assert "srun on n2a did not start" in orders(found)[0].reason
+    (relaunch,) = [a for a in orders(found) if isinstance(a, rc.RelaunchReplica)]
+    assert relaunch.nodes == ("s1", "s2")
+    assert found.state.run.replica(2).failures == 1    # one failure, not one per node
+
+
+def test_a_diagnosis_never_answered_evicts_the_replica_after_twice_its_bound():
+    state, _, t = replica_2_stalls(two_node_replicas(standby=("s1", "s2")))
+    limit = 2 * POLICY.diagnosis_timeout
+    assert orders(lc.decide(state, lc.Tick(), at(t + limit))) == []
+    late = lc.decide(state, lc.Tick(), at(t + limit + 1))
+    assert [a.node for a in orders(late) if isinstance(a, rc.EvictNode)] == ["n2a", "n2b"]
+    assert "no stacks within" in orders(late)[0].reason
+    assert not any(isinstance(a, lc.DiagnoseHang) for a in late.actions)
+
+
+def test_a_diagnosis_of_a_replica_that_moved_on_evicts_nothing():
+    state, _, t = replica_2_stalls(two_node_replicas())
+    state = lc.decide(state, lc.StepsCommitted(2), at(t + 1)).state      # it was slow only
+    found = lc.decide(state, lc.HangDiagnosed(2, ("n2b",), "rank 1 in load"), at(t + 2))
+    assert orders(found) == [] and "moved on" in found.reason
+    crashed = lc.decide(replica_2_stalls(two_node_replicas())[0], lc.StepExited(2, 1),
+                        at(t + 1)).state                                  # or it exited
+    assert orders(lc.decide(crashed, lc.HangDiagnosed(2, ("n2b",)), at(t + 2))) == []
+
+
+def test_without_hang_diagnosis_a_stall_evicts_its_first_node_at_once():
+    policy = lc.Policy(lost_timeout=10.0, start_timeout=60.0, hang_diagnosis=False)
+    _, decision, _ = replica_2_stalls(two_node_replicas(policy=policy))
+    assert orders(decision)[:2] == [rc.EvictNode("n2a", orders(decision)[0].reason),
+                                    rc.CancelReplica(2)]

@@ -179,3 +179,27 @@ def test_cli_status_prints_plain_text_when_not_on_a_terminal(
     assert cli.main(["status", "--watch", str(run_dir)]) == 0     # finished: ends at once
     out = capsys.readouterr().out
     assert out.count("recent events:") == 2 and "run finished, exit 0" in out
+
+
+def test_a_hang_diagnosis_stays_listed_with_its_report(live_run: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """``ft-launch status`` shows the verdict and where the report is, even once newer
+    events have pushed it out of the recent ones."""
+    from launcher.diagnosis import HangDiagnosisReported
+    report = live_run / "diagnosis" / "hang-2-1" / "report.txt"
+    with EventLog(live_run / "controller.jsonl") as log:
+        log.emit(HangDiagnosisReported(
+            replica_id=2, suspects=["n2"], outliers=[1], report=str(report),
+            summary="rank 1 on n2, pid 812 in injected_deadlock (faults.py:121)",
+            time=T0 + 55.0))
+        for t in range(8):
+            log.emit(ActionTaken(action="DiagnoseHang", replica_id=0, node=None,
+                                 reason="x", time=T0 + 56.0 + t))
+    text = status_text(StatusReader(live_run, recent=3).read(T0 + 70.0))
+    head, _, recent = text.partition("recent events:")
+    assert ("+55.0s  replica 2 hung: rank 1 on n2, pid 812 in injected_deadlock "
+            "(faults.py:121) -> evict n2") in head
+    assert f"report: {report}" in head and "hung" not in recent
+    assert cli.main(["status", str(live_run)]) == 0
+    assert f"report: {report}" in capsys.readouterr().out

@@ -9,25 +9,39 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from ftcore.config import Config, HealthConfig, RecoveryConfig
+from ftcore.config import Config, HealthConfig, RecoveryConfig, SlowPolicy
 from ftcore.errors import ExitCode
 from ftcore.events import EventLog, NodeDrained, read_events
 from ftcore.slurm.client import SlurmBackend
 from launcher import lifecycle as lc
 from launcher import versions as cv
-from launcher.events import ActionTaken, NodeDrainRequested, NodeFaultDetected, RunFinished
+from launcher.diagnosis import HangDiagnosisReported
+from launcher.events import (
+    ActionTaken,
+    FailSlowDetected,
+    NodeDrainRequested,
+    NodeFaultDetected,
+    RunFinished,
+)
 from launcher.plan import LaunchPlan, ReplicaPlacement
 from launcher.quorum.events import MembersLivenessChanged
 from launcher.run_state import ReplicaState
 from launcher.standby import activation_file
 from launcher.supervisor import NODE_CHECK_INTERVAL, Supervisor
 from launcher.worker.events import StepCommitted, StepDiscarded, WorkerStarted
-from launcher.worker.identity import ENV_SECRET
+from launcher.worker.identity import ENV_SECRET, WorkerIdentity
+from launcher.worker.pids import write_rank_pid
 from tests.fakes.slurm import FakeSlurm
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(10)
 JOB = "100"
@@ -90,13 +104,14 @@ class Loop:
 def loop(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)     # the command's digest reads files relative to here
 
-    def make(replicas: int = 3, standby: tuple[str, ...] = ("s1",), can_drain: bool = True
-             ) -> Loop:
+    def make(replicas: int = 3, standby: tuple[str, ...] = ("s1",), can_drain: bool = True,
+             **recovery: object) -> Loop:
         nodes = [f"n{r}" for r in range(replicas)]
         slurm = FakeSlurm(JOB, [*nodes, *standby], can_drain=can_drain)
         backend: SlurmBackend = slurm      # the fake keeps to the Protocol
         config = Config(health=HealthConfig(inspection=False),
-                        recovery=RecoveryConfig(lost_timeout=LOST, start_timeout=60.0))
+                        recovery=RecoveryConfig(lost_timeout=LOST, start_timeout=60.0,
+                                                **recovery))  # type: ignore[arg-type]
         plan = LaunchPlan(job_id=JOB, replicas=tuple(ReplicaPlacement(r, (n,))
                                                      for r, n in enumerate(nodes)),
                           standby=standby, excluded=(), tasks_per_node=1,
@@ -171,14 +186,23 @@ def test_a_crash_is_retried_in_place_then_its_node_evicted(loop):
 
 
 def test_a_silent_replica_among_moving_ones_is_evicted_after_the_lost_timeout(loop):
+    """Its stacks are asked for first; with no pid file to go by (its ranks never
+    started their manager) every rank is suspect: its node goes."""
     run = loop()
     run.started(0, 1, 2)
     for _ in range(int(LOST) + 4):                          # replica 2 never commits
         run.commit(0, 1)
         assert run.poll() is None
-    faults = [r for r in run.records() if isinstance(r, NodeFaultDetected)]
+    wait_until(lambda: run.poll(0.0) is None and faults_of(run), 10,
+               "the diagnosis to come back and evict")
+    faults = faults_of(run)
     assert [(f.node, f.replica_id) for f in faults] == [("n2", 2)]
-    assert "made no progress" in faults[0].reason
+    assert "no pid file" in faults[0].reason and "made no progress" in faults[0].reason
+
+
+def faults_of(run: Loop) -> list[NodeFaultDetected]:
+    return [e for e in read_events(run.run_dir / "controller.jsonl")
+            if isinstance(e, NodeFaultDetected)]
 
 
 def test_a_node_whose_ranks_keep_computing_nan_is_drained_and_replaced(loop):
@@ -199,11 +223,59 @@ def test_a_node_whose_ranks_keep_computing_nan_is_drained_and_replaced(loop):
     assert run.supervisor.state.run.replica(1).nodes == ("s1",)
 
 
+def paced_commits(run: Loop, own: dict[int, float], steps: int, wait: float = 0.05) -> None:
+    """Commits whose own time (step_s - wait_s) is ``own[r]``; one poll per step."""
+    for _ in range(steps):
+        slowest = max(own.values())
+        for r, mine in own.items():
+            run.steps[r] = run.steps.get(r, 0) + 1
+            waited = wait + slowest - mine    # the faster ones wait for the slowest
+            run.worker(r, StepCommitted(replica_id=r, rank=0, step=run.steps[r], quorum_id=1,
+                                        contributors=len(own), caught_up=False, lr_factor=1.0,
+                                        step_s=mine + waited, wait_s=waited))
+        run.poll(slowest + wait)
+
+
+def test_a_fail_slow_replica_is_named_drained_and_replaced(loop):
+    """Every replica's step takes as long as the slowest's; replica 2's own part of it
+    is 3x the others': after recovery.slow_window steps its node goes."""
+    run = loop(slow_window=10)
+    run.started(0, 1, 2)
+    paced_commits(run, {0: 0.1, 1: 0.1, 2: 0.3}, steps=9)
+    assert not any(c[0] == "set_node_state" for c in run.slurm.calls)
+    paced_commits(run, {0: 0.1, 1: 0.1, 2: 0.3}, steps=1)
+    (drain,) = [c for c in run.slurm.calls if c[0] == "set_node_state"]
+    assert drain[1] == "n2" and drain[3].startswith("ft: fail-slow: replica 2 took 3.0x as "
+                                                    "long as its peers"), drain
+    assert run.supervisor.state.run.replica(2).nodes == ("s1",)
+    (found,) = [e for e in run.records() if isinstance(e, FailSlowDetected)]
+    assert (found.replica_id, found.nodes, found.steps) == (2, ["n2"], 10)
+
+
+def test_equal_replicas_and_the_report_policy_evict_nothing(loop):
+    run = loop(slow_window=10)
+    run.started(0, 1, 2)
+    paced_commits(run, {0: 0.1, 1: 0.12, 2: 0.15}, steps=40)      # within the factor
+    assert not any(c[0] == "set_node_state" for c in run.slurm.calls)
+    reported = loop(slow_window=10, slow_policy=SlowPolicy.REPORT)
+    reported.started(0, 1, 2)
+    paced_commits(reported, {0: 0.1, 1: 0.1, 2: 0.5}, steps=10)
+    assert not any(c[0] == "set_node_state" for c in reported.slurm.calls)
+    assert reported.state(2) is ReplicaState.RUNNING
+    assert [e.replica_id for e in reported.records() if isinstance(e, FailSlowDetected)] == [2]
+
+
+MEMBER_TIMEOUT = 3.0                  # the default quorum.member_timeout
+
+
 def test_a_replica_the_quorum_lost_is_replaced_before_the_lost_timeout(loop):
     run = loop()
     run.started(0, 1, 2)
     run.commit(0, 1, 2)
     run.poll()
+    for _ in range(int(MEMBER_TIMEOUT)):   # replica 2 is gone; the quorum waits for it
+        run.commit(0, 1)
+        run.poll(1.0)
     run.worker(0, MembersLivenessChanged(replica_id=0, lost=[2], recovered=[]))
     run.commit(0, 1)                   # the survivors go on without it
     assert run.poll(0.2) is None       # well inside LOST
@@ -211,6 +283,29 @@ def test_a_replica_the_quorum_lost_is_replaced_before_the_lost_timeout(loop):
     reason = "ft: the quorum of replica 0 lost replica 2, and replica 0 trained on without it"
     assert drains == [("set_node_state", "n2", "drain", reason)]
     assert run.supervisor.state.run.replica(2).nodes == ("s1",)
+
+
+def test_a_member_reported_lost_while_it_still_commits_is_kept_until_it_falls_silent(loop):
+    """A new leader (or one starved of CPU) may report a live member lost: the report
+    counts only once the member's own event file has been silent that long too."""
+    run = loop()
+    run.started(0, 1, 2)
+    run.commit(0, 1, 2)
+    run.poll(0.5)
+    run.worker(0, MembersLivenessChanged(replica_id=0, lost=[2], recovered=[]))
+    run.commit(0, 1)
+    run.poll(0.5)                      # replica 2 committed 0.5 s ago: not silent
+    assert not any(c[0] == "set_node_state" for c in run.slurm.calls)
+    run.commit(2)                      # it goes on: the report is withdrawn
+    run.poll(0.5)
+    for _ in range(int(MEMBER_TIMEOUT) + 1):
+        run.commit(0, 1)
+        run.poll(1.0)
+    assert not any(c[0] == "set_node_state" for c in run.slurm.calls)
+    run.worker(0, MembersLivenessChanged(replica_id=0, lost=[2], recovered=[]))
+    run.commit(0, 1)                   # reported again, silent long enough now
+    run.poll(0.2)
+    assert [c[1] for c in run.slurm.calls if c[0] == "set_node_state"] == ["n2"]
 
 
 def test_replicas_stalled_together_are_not_blamed(loop):
@@ -268,3 +363,86 @@ def test_a_broken_update_is_rolled_back_without_evicting_a_node(loop):
     assert run.supervisor.state.run.current == 1 and run.supervisor.state.run.bad == (2,)
     assert run.slurm.step_named("replica-0").spec.command[-1] == "train.py"
     assert not any(c[0] == "set_node_state" for c in run.slurm.calls)
+
+
+# --------------------------------------------------------------------------- hang diagnosis
+
+STAND_IN = Path(__file__).resolve().parents[1] / "health" / "stack_worker.py"
+
+
+@pytest.fixture
+def stand_ins():
+    """Processes standing in for a replica's ranks, blocked in a function of their own;
+    SIGCONTed, killed and reaped afterwards."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(function: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, str(STAND_IN), function],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        started.append(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"ready {function}"
+        return proc
+
+    yield start
+    for proc in started:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy not installed")
+@pytest.mark.timeout(90)
+def test_a_hung_replica_is_diagnosed_from_its_ranks_stacks_and_only_the_bad_node_evicted(
+        tmp_path, monkeypatch, stand_ins):
+    """Replicas of two nodes, one rank each. Replica 2 stops committing: its rank 1 (on
+    n2b) is SIGSTOPped, its rank 0 (on n2a) waits. The controller runs the stack capture
+    on each node (the fake Slurm's step commands are run here, as srun would run them
+    there), names rank 1 and n2b, drains n2b only, and relaunches the replica on n2a and
+    the standby. The report is in the run directory, its summary in the event log."""
+    monkeypatch.chdir(tmp_path)
+    nodes = {r: (f"n{r}a", f"n{r}b") for r in range(3)}
+    slurm = FakeSlurm(JOB, [n for pair in nodes.values() for n in pair] + ["s1"])
+    config = Config(health=HealthConfig(inspection=False),
+                    recovery=RecoveryConfig(lost_timeout=LOST, start_timeout=60.0,
+                                            diagnosis_timeout=30.0))
+    plan = LaunchPlan(job_id=JOB, replicas=tuple(ReplicaPlacement(r, n) for r, n in
+                                                 nodes.items()),
+                      standby=("s1",), excluded=(), tasks_per_node=1,
+                      command=("python", "train.py"))
+    clock = Clock()
+    events = EventLog(tmp_path / "controller.jsonl")
+    supervisor = Supervisor(config, plan, slurm, tmp_path, {ENV_SECRET: "s"}, events,
+                            clock=clock)
+    supervisor.start()
+    run = Loop(supervisor, slurm, clock, tmp_path, events)
+    waiting, stopped = stand_ins("wait_collective"), stand_ins("wait_collective")
+    os.kill(stopped.pid, signal.SIGSTOP)
+    for rank, (proc, node) in enumerate(((waiting, "n2a"), (stopped, "n2b"))):
+        write_rank_pid(WorkerIdentity(JOB, 2, 3, rank, 2, "127.0.0.1", tmp_path, "s",
+                                      node=node), pid=proc.pid)
+    run.started(0, 1, 2)
+    for _ in range(int(LOST) + 4):                          # replica 2 never commits
+        run.commit(0, 1)
+        assert run.poll() is None
+    assert run.slurm.step_named("replica-2").running       # nothing cancelled yet
+    for node in ("n2a", "n2b"):
+        step = wait_until(lambda node=node: run.slurm.live_steps(f"ftl-diagnose-2-{node}"),
+                          10, f"the stack capture on {node}")[0]
+        assert step.spec.overlap and step.spec.nodes == (node,)
+        done = subprocess.run(step.spec.command, timeout=60, check=False)
+        step.exit(done.returncode)
+    wait_until(lambda: run.poll(0.0) is None and faults_of(run), 30,
+               "the diagnosis to come back and evict")
+    drains = [c for c in run.slurm.calls if c[0] == "set_node_state"]
+    assert [c[1] for c in drains] == ["n2b"]
+    assert drains[0][3].startswith("ft: hang: rank 1 on n2b, pid ") and "stopped" in drains[0][3]
+    relaunch = run.slurm.step_named("replica-2")
+    assert relaunch.running and relaunch.spec.nodes == ("n2a", "s1")
+    (reported,) = [e for e in read_events(tmp_path / "controller.jsonl")
+                   if isinstance(e, HangDiagnosisReported)]
+    assert (reported.suspects, reported.outliers) == (["n2b"], [1])
+    report = Path(reported.report).read_text()
+    assert "stopped (SIGSTOP)" in report and "wait_collective" in report
+    assert json.loads((Path(reported.report).parent / "report.json").read_text())[
+        "suspects"] == ["n2b"]

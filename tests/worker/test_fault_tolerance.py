@@ -281,5 +281,13 @@ def test_a_nan_from_one_replica_is_discarded_by_every_replica_and_never_trained(
             # every rank of a replica names the same nodes: the corrupting rank's only
             assert discarded[0].nonfinite_nodes == ([socket.gethostname()] if replica == 1
                                                     else []), (replica, rank)
+            # the one injected value, counted where it was computed
+            assert discarded[0].nonfinite_values == (1 if replica == 1 else 0)
+            # what every commit tells the controller of the step
+            for commit in (e for e in job.events(replica, rank)
+                           if type(e).__name__ == "StepCommitted"):
+                assert commit.grad_norm is not None and math.isfinite(commit.grad_norm)
+                assert commit.grad_norm > 0, commit
+                assert 0 <= commit.wait_s <= commit.step_s, commit
     assert all(math.isfinite(f["loss"]) for f in finals.values())
     assert_ranks_agree(tmp_path, replicas=3, ranks=ranks)

@@ -1,0 +1,149 @@
+"""Running a witness voter: the controller's (witness 0) and ``ft-launch witness``.
+
+A witness needs what a replica's agent needs (the job id, the secret, the number
+of replicas, the peer directory) and never trains. The controller writes them
+to ``<run_dir>/quorum-witness.json`` (mode 0600, in the 0700 run directory) so
+that a witness on a login or service node that shares the run directory can
+join: ``ft-launch witness --run-dir RUN_DIR --index K``.
+
+Each witness keeps its memory (``witness.Memory``: term, vote, last round) in
+``<run_dir>/quorum-witness-<K>.memory.json``, written atomically and durably
+before it answers anything that depends on it, and read back when it starts
+again, so that a restarted witness does not endorse the other side of a
+partition. An unreadable memory is treated as "a round I do not know": the
+witness endorses nothing until it is told of a round whose members alone are
+a majority (safe; the job may wait for that).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftcore.config import QuorumConfig
+from ftcore.errors import ConfigError, UsageError
+from ftcore.files import atomic_write_text
+
+from .agent import QuorumAgent
+from .directory import FileDirectory
+from .model import WITNESS_BASE
+from .witness import Memory
+
+log = logging.getLogger(__name__)
+
+WITNESS_FILE = "quorum-witness.json"
+
+
+def memory_path(run_dir: Path, index: int) -> Path:
+    return run_dir / f"quorum-witness-{index}.memory.json"
+
+
+class MemoryFile:
+    """A witness's ``Memory`` in one JSON file of its job's run directory."""
+
+    def __init__(self, path: Path, job_id: str) -> None:
+        self.path = path
+        self.job_id = job_id
+
+    def load(self) -> Memory:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return Memory()  # a witness new to this job
+        except OSError as exc:
+            return self._unknown(f"unreadable: {exc}")
+        try:
+            body = json.loads(text)
+            if body.get("job_id") != self.job_id:
+                return self._unknown(f"written for job {body.get('job_id')!r}, "
+                                     f"not {self.job_id!r}")
+            voted = body["voted_for"]
+            endorsed = body["endorsed"]
+            return Memory(int(body["term"]), None if voted is None else int(voted),
+                          None if endorsed is None else frozenset(int(m) for m in endorsed))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            return self._unknown(f"expected JSON with job_id, term, voted_for and "
+                                 f"endorsed ({type(exc).__name__}: {str(exc)[:200]})")
+
+    def save(self, memory: Memory) -> None:
+        body = {"job_id": self.job_id, "term": memory.term, "voted_for": memory.voted_for,
+                "endorsed": None if memory.endorsed is None else sorted(memory.endorsed)}
+        atomic_write_text(self.path, json.dumps(body) + "\n")
+
+    def _unknown(self, problem: str) -> Memory:
+        log.error("witness memory %s is %s; this witness endorses nothing until it "
+                  "sees a round that a majority of replicas forms", self.path, problem)
+        return Memory(endorsed=frozenset())
+
+
+def job_witnesses(config: QuorumConfig, *, controller: bool) -> tuple[int, ...]:
+    """The witnesses' voter ids, the same on every voter of the job: the
+    controller's (index 0) when the job has a controller and
+    ``quorum.controller_witness`` is on, then ``quorum.witnesses`` more."""
+    first = [WITNESS_BASE] if controller and config.controller_witness else []
+    return tuple(first + [WITNESS_BASE + k for k in range(1, config.witnesses + 1)])
+
+
+@dataclass(frozen=True)
+class WitnessJob:
+    """What a witness must know of its job."""
+
+    job_id: str
+    secret: str
+    replicas: int
+    controller: bool = True
+
+    def write(self, run_dir: Path) -> Path:
+        path = run_dir / WITNESS_FILE
+        body = {"job_id": self.job_id, "secret": self.secret, "replicas": self.replicas,
+                "controller": self.controller}
+        atomic_write_text(path, json.dumps(body) + "\n")
+        os.chmod(path, 0o600)
+        return path
+
+    @staticmethod
+    def read(run_dir: Path) -> WitnessJob:
+        path = run_dir / WITNESS_FILE
+        try:
+            body = json.loads(path.read_text(encoding="utf-8"))
+            return WitnessJob(str(body["job_id"]), str(body["secret"]), int(body["replicas"]),
+                              bool(body.get("controller", True)))
+        except FileNotFoundError:
+            raise UsageError(f"{path} does not exist",
+                             hint="give the run directory of a running 'ft-launch run' "
+                                  "(it writes this file when it starts)") from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"{path} is unreadable: {exc}",
+                             hint="expected job_id, secret and replicas (JSON)") from None
+
+
+def witness_agent(run_dir: Path, job: WitnessJob, index: int, config: QuorumConfig,
+                  host: str) -> QuorumAgent:
+    """A started witness agent for witness ``index`` of ``job``."""
+    witnesses = job_witnesses(config, controller=job.controller)
+    me = WITNESS_BASE + index
+    if me not in witnesses:
+        raise ConfigError(f"witness index {index} is not configured: the job's witnesses are "
+                          f"{[w - WITNESS_BASE for w in witnesses]}",
+                          key="quorum.witnesses",
+                          hint="index 0 is the controller; 1..quorum.witnesses run as "
+                               "'ft-launch witness'")
+    directory = FileDirectory(run_dir / "peers", job.secret, job.job_id)
+    memory = MemoryFile(memory_path(run_dir, index), job.job_id)
+    return QuorumAgent(me, range(job.replicas), directory, job.secret, config,
+                       job_id=job.job_id, host=host, electable=False,
+                       witnesses=witnesses, memory=memory).start()
+
+
+def serve(run_dir: Path, index: int, config: QuorumConfig, host: str,
+          stop: threading.Event) -> None:
+    """Vote as witness ``index`` until ``stop`` is set."""
+    agent = witness_agent(run_dir, WitnessJob.read(run_dir), index, config, host)
+    try:
+        stop.wait()
+    finally:
+        agent.stop()
