@@ -89,8 +89,11 @@ class QuorumConfig(_Section):
     election_slot: float = _seconds(0.02, zero_ok=True)  # per-voter stretch of the spread
     peer_dir: str = ""               # shared directory of agent addresses ("": run dir)
     #: The controller (ft-launch run) votes as witness 0: with it, one live replica
-    #: trains on; without any witness, a majority of the replicas must be live.
-    controller_witness: bool = True
+    #: trains on; without any witness, a majority of the replicas must be live. Off by
+    #: default for now: the witnesses hold replicas - 1 votes, so a witness the nodes
+    #: cannot reach (a login node whose hostname resolves to loopback) costs more than
+    #: it gives (two of three replicas stop), and its address is not yet checked.
+    controller_witness: bool = False
     #: More witnesses, each an ``ft-launch witness --index K`` (K = 1..witnesses) on a
     #: login or service node; the witnesses share replicas - 1 votes between them.
     witnesses: int = _count(0, 0, 64)
