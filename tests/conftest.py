@@ -5,6 +5,9 @@ and left running."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,3 +64,26 @@ def slurm_cluster() -> Iterator[LabCluster]:
         if not already_up:
             labcluster.down(keep_logs=False)
 
+
+@pytest.fixture
+def stack_workers() -> Iterator:
+    """Start stand-in training processes (``tests/health/stack_worker.py``), each blocked
+    in the named function of its own once it says so; SIGCONTed, killed and reaped
+    afterwards."""
+
+    script = Path(__file__).with_name("health") / "stack_worker.py"
+    started: list[subprocess.Popen[str]] = []
+
+    def start(function: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, str(script), function],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        started.append(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"ready {function}"   # blocks until it is
+        return proc
+
+    yield start
+    for proc in started:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=10)

@@ -6,8 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -115,28 +113,10 @@ def test_parse_pyspy_json_marks_the_main_thread():
     assert ProcessStack.from_dict(parsed.to_dict()) == parsed
 
 
-@pytest.fixture
-def workers():
-    """Start stand-in training processes; stop and reap them all afterwards."""
-    started = []
-
-    def start(function):
-        proc = subprocess.Popen([sys.executable, str(WORKER), function], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
-        started.append(proc)
-        assert proc.stdout.readline().strip() == f"ready {function}"  # blocks until it is there
-        return proc
-    yield start
-    for proc in started:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait(timeout=10)
-
-
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy not installed")
 @pytest.mark.timeout(60)
-def test_tracer_on_real_processes_finds_the_hung_pipeline(workers):
-    procs = [workers("stuck_in_dataloader" if rank == 4 else "wait_collective")
+def test_tracer_on_real_processes_finds_the_hung_pipeline(stack_workers):
+    procs = [stack_workers("stuck_in_dataloader" if rank == 4 else "wait_collective")
              for rank in range(6)]
     os.kill(procs[5].pid, signal.SIGSTOP)
     found, decision = hang_eviction({rank: p.pid for rank, p in enumerate(procs)}, topology())

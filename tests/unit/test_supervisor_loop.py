@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -367,34 +366,10 @@ def test_a_broken_update_is_rolled_back_without_evicting_a_node(loop):
 
 # --------------------------------------------------------------------------- hang diagnosis
 
-STAND_IN = Path(__file__).resolve().parents[1] / "health" / "stack_worker.py"
-
-
-@pytest.fixture
-def stand_ins():
-    """Processes standing in for a replica's ranks, blocked in a function of their own;
-    SIGCONTed, killed and reaped afterwards."""
-    started: list[subprocess.Popen[str]] = []
-
-    def start(function: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, str(STAND_IN), function],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        started.append(proc)
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == f"ready {function}"
-        return proc
-
-    yield start
-    for proc in started:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait(timeout=10)
-
-
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy not installed")
 @pytest.mark.timeout(90)
 def test_a_hung_replica_is_diagnosed_from_its_ranks_stacks_and_only_the_bad_node_evicted(
-        tmp_path, monkeypatch, stand_ins):
+        tmp_path, monkeypatch, stack_workers):
     """Replicas of two nodes, one rank each. Replica 2 stops committing: its rank 1 (on
     n2b) is SIGSTOPped, its rank 0 (on n2a) waits. The controller runs the stack capture
     on each node (the fake Slurm's step commands are run here, as srun would run them
@@ -416,7 +391,7 @@ def test_a_hung_replica_is_diagnosed_from_its_ranks_stacks_and_only_the_bad_node
                             clock=clock)
     supervisor.start()
     run = Loop(supervisor, slurm, clock, tmp_path, events)
-    waiting, stopped = stand_ins("wait_collective"), stand_ins("wait_collective")
+    waiting, stopped = stack_workers("wait_collective"), stack_workers("wait_collective")
     os.kill(stopped.pid, signal.SIGSTOP)
     for rank, (proc, node) in enumerate(((waiting, "n2a"), (stopped, "n2b"))):
         write_rank_pid(WorkerIdentity(JOB, 2, 3, rank, 2, "127.0.0.1", tmp_path, "s",
