@@ -142,8 +142,14 @@ def _busy_seconds() -> float:
 
 
 def _own_seconds() -> float:
-    times = os.times()
-    return times.user + times.system
+    # CLOCK_PROCESS_CPUTIME_ID: every thread, nanosecond resolution; os.times()
+    # counts clock ticks, and a short run can read as zero CPU time
+    return time.process_time()
+
+
+def _pct_above(value: float, base: float) -> float:
+    """How many percent ``value`` is above ``base`` (0 where base read as nothing)."""
+    return 100 * (value / base - 1) if base > 0 else 0.0
 
 
 @dataclasses.dataclass
@@ -201,12 +207,12 @@ def snapshot_overhead(trainer: Trainer, variants: dict[str, DualBufferSnapshotte
             snapshotter = variants[name]
             with_snapshot = timed_run((trainers or {}).get(name, trainer), snapshotter, steps)
             after = timed_run(trainer, None, steps)
-            pct = 100 * (with_snapshot.step_s / ((before.step_s + after.step_s) / 2) - 1)
+            pct = _pct_above(with_snapshot.step_s, (before.step_s + after.step_s) / 2)
             quiet = max(before.foreign, with_snapshot.foreign, after.foreign) < max_foreign
             every[name].append(pct)
             if quiet:
                 clean[name].append(pct)
-                control.append(100 * (after.step_s / before.step_s - 1))
+                control.append(_pct_above(after.step_s, before.step_s))
                 plain_s += [before.step_s, after.step_s]
                 snap_s[name].append(with_snapshot.step_s)
             print(f"  round {round_index} {name:<12} plain {before.step_s:.3f}/{after.step_s:.3f} s"
@@ -501,8 +507,8 @@ def _paired_means(trainer: Trainer, backed: Trainer, snapshotter: BackedUpSnapsh
     before, before_cpu = mean_run(False)
     for round_index in range(max_rounds):
         (with_backup, backed_cpu), (after, after_cpu) = mean_run(True), mean_run(False)
-        pct = 100 * (with_backup.step_s / ((before.step_s + after.step_s) / 2) - 1)
-        cpu.append(100 * (backed_cpu / ((before_cpu + after_cpu) / 2) - 1))
+        pct = _pct_above(with_backup.step_s, (before.step_s + after.step_s) / 2)
+        cpu.append(_pct_above(backed_cpu, (before_cpu + after_cpu) / 2))
         quiet = max(before.foreign, with_backup.foreign, after.foreign) < max_foreign
         every.append(pct)
         if quiet:

@@ -45,6 +45,9 @@ def run(rank: int, world: int, store_path: str, out: str, scenario: str, *args: 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         result = SCENARIOS[scenario](rank, mesh, *args)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        # Both ranks leave together: gloo aborts a rank whose peer tears the group
+        # down while its own pairs still run
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
