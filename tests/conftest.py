@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ftcore.errors import SlurmCommandError
 from ftcore.slurm.client import SlurmCli
 from tests.cluster import labcluster
 from tests.waiting import wait_until
@@ -37,12 +38,20 @@ class LabCluster:
         labcluster.ctl_run(["scancel", job_id], check=False, timeout=30)
 
     def job_state(self, job_id: str) -> str:
-        job = self.slurm.job(job_id)
+        """The job's state; "UNANSWERED" while slurmctld does not answer in time (it
+        can stall for its MessageTimeout on a crashed node): the waits poll again."""
+        try:
+            job = self.slurm.job(job_id)
+        except SlurmCommandError as error:
+            if "timed out" not in str(error) and "did not answer" not in str(error):
+                raise
+            return "UNANSWERED"
         return job.state.value if job else "GONE"
 
     def wait_job_done(self, job_id: str, timeout: float = 120) -> str:
         return wait_until(lambda: (s := self.job_state(job_id)) not in
-                          ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") and s,
+                          ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING",
+                                                        "UNANSWERED") and s,
                           timeout, f"job {job_id} to end")
 
     def ensure_node_up(self, node: str, timeout: float = 90) -> None:

@@ -138,6 +138,10 @@ def slurm_conf(base: Path, nodes: list[str], hooks: Hooks) -> str:
         # Fast failure detection for tests: a dead slurmd is DOWN in ~17 s.
         "SlurmdTimeout=5",
         "MessageTimeout=5",
+        # Every slurmd answers slurmctld directly. From 24.11 the pings go through a
+        # tree of slurmds even on 6 nodes, and with the 5 s timeout above one dead
+        # forwarder had every node it forwarded to set DOWN and removed from the job.
+        "TreeWidth=65533",
         "InactiveLimit=0",
         "KillWait=2",
         "MinJobAge=600",

@@ -57,7 +57,7 @@ def whole_cluster_run(slurm_cluster, tmp_path):
     run = Training(slurm_cluster, job_id, runs / job_id, tmp_path / "job.out", 3, STEPS)
     try:
         # other tests may hold nodes: pending is not a failure of the product
-        wait_until(lambda: slurm_cluster.job_state(job_id) != "PENDING", 600,
+        wait_until(lambda: slurm_cluster.job_state(job_id) not in ("PENDING", "UNANSWERED"), 600,
                    f"job {job_id} to start on the whole cluster")
         yield run, hung_node
     finally:
