@@ -16,7 +16,8 @@ replica back on the standby (``summary.product[FAULT]``: ``fault_to_event_s``,
 * ``kill``: the node crashes (its figures under ``product`` only).
 
 Each is None, with ``product_not_run`` saying why, when the lab cluster is not up or
-not as root (or with ``details.product[FAULT].error`` when a run did not get there).
+not as root, or with ``--library-only`` (and with ``details.product[FAULT].error``
+when a run did not get there).
 
 **The library** (``health``'s monitor, collector, tracer; not the product path):
 eight worker processes form 4 data-parallel replicas of a 2-stage pipeline (one
@@ -36,7 +37,7 @@ heartbeat to ``health``'s collector, and ``DetectionMonitor`` judges them.
 With ``--product-only`` these are None (``library_not_run`` says so).
 
     python benchmarks/detection_bench.py [--trials 24] [--seed 1] [--json FILE]
-        [--product-only] [--faults hang,sdc,slow,kill] [--fault-step 60]
+        [--product-only | --library-only] [--faults hang,sdc,slow,kill] [--fault-step 60]
 """
 from __future__ import annotations
 
@@ -429,8 +430,10 @@ LIBRARY_KEYS = ("kill_detect_s", "hang_detect_s", "hang_detect_step_times", "nan
 
 
 def run(trials: int, seed: int, faults: list[str], step: int,
-        product_only: bool = False) -> dict[str, Any]:
-    product_keys, product_details = product_summary(product(faults, step))
+        product_only: bool = False, library_only: bool = False) -> dict[str, Any]:
+    found = ({"not_run": "--library-only", "runs": {}} if library_only
+             else product(faults, step))
+    product_keys, product_details = product_summary(found)
     if product_only:
         library_keys: dict[str, Any] = {key: None for key in LIBRARY_KEYS}
         library_details: dict[str, Any] = {"hang_detect_step_times_max": None, "trials": []}
@@ -480,15 +483,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="library: hang / fail-slow injections (default 24)")
     parser.add_argument("--seed", type=int, default=1, help="library: the trials' random seed")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--product-only", action="store_true",
-                        help="only the real runs on the lab cluster, not the library's")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--product-only", action="store_true",
+                      help="only the real runs on the lab cluster, not the library's")
+    only.add_argument("--library-only", action="store_true",
+                      help="only the library's loopback runs, not the lab cluster's")
     parser.add_argument("--faults", type=fault_list, default=list(FAULTS),
                         help=f"product: the faults to inject, one run each "
                              f"(default {','.join(FAULTS)})")
     parser.add_argument("--fault-step", type=int, default=60,
                         help="product: the step at which each fault is injected (default 60)")
     args = parser.parse_args(args_list)
-    result = run(args.trials, args.seed, args.faults, args.fault_step, args.product_only)
+    result = run(args.trials, args.seed, args.faults, args.fault_step, args.product_only,
+                 args.library_only)
     print_table(result["summary"], result["details"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
