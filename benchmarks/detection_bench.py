@@ -1,12 +1,31 @@
-"""Detection benchmark (not a test): real training-like processes on loopback.
+"""Detection benchmark (not a test): the product's detection in real runs, and the
+detection library's on loopback.
 
-Eight worker processes form 4 data-parallel replicas of a 2-stage pipeline (one
+**The product** (``benchmarks/product_run.py``; root, the lab cluster up): one real
+``ft-launch run`` of ``etc/examples/train.sbatch`` per fault, the fault on replica 1's
+node; timed from the fault (the rank's own log line, or the injector's clock) to the
+controller's detection event, to the node drained with the fault's reason, and to the
+replica back on the standby (``summary.product[FAULT]``: ``fault_to_event_s``,
+``fault_to_drained_s``, ``fault_to_back_s``):
+
+* ``hang_diagnose_s``: one rank deadlocks -> the controller's ``HangDiagnosisReported``
+  (stall seen, py-spy stacks of both ranks taken and aggregated);
+* ``sdc_locate_s``: one rank computes NaN gradients from a step on -> its node drained
+  with the ``sdc`` reason;
+* ``fail_slow_detect_s``: the node's training processes throttled -> ``FailSlowDetected``;
+* ``kill``: the node crashes (its figures under ``product`` only).
+
+Each is None, with ``product_not_run`` saying why, when the lab cluster is not up or
+not as root, or with ``--library-only`` (and with ``details.product[FAULT].error``
+when a run did not get there).
+
+**The library** (``health``'s monitor, collector, tracer; not the product path):
+eight worker processes form 4 data-parallel replicas of a 2-stage pipeline (one
 rank per simulated node). Each step: stage 0 computes forward and sends
 activations, stage 1 computes and sends gradients back, then all ranks meet in
 an "all-reduce" run by a small coordinator; every rank reports its metrics and a
 heartbeat to ``health``'s collector, and ``DetectionMonitor`` judges them.
 
-Measured:
 * ``kill_detect_s``: SIGKILL one rank -> RANK_SILENT alarm.
 * ``hang_detect_s`` / ``hang_detect_step_times``: SIGSTOP or a rank stuck in
   another function -> HANG alarm (median over the hang trials; max alongside).
@@ -14,13 +33,12 @@ Measured:
 * ``over_eviction_accuracy``: randomised hang (SIGSTOP, stuck) and fail-slow
   injections through py-spy stack aggregation; a trial is right when the evicted
   nodes include the faulty one and stay within its pipeline (PP) group.
-* ``hang_diagnose_s``: the product (``benchmarks/hang_diagnosis.py``): in a real
-  ``ft-launch run`` on the lab cluster one rank deadlocks -> the controller's hang
-  diagnosis names it (None when the lab cluster is not up, or not as root).
 
-``python benchmarks/detection_bench.py [--trials 24] [--seed 1] [--json FILE]``
+With ``--product-only`` these are None (``library_not_run`` says so).
+
+    python benchmarks/detection_bench.py [--trials 24] [--seed 1] [--json FILE]
+        [--product-only | --library-only] [--faults hang,sdc,slow,kill] [--fault-step 60]
 """
-
 from __future__ import annotations
 
 import argparse
@@ -44,6 +62,8 @@ import zmq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.hang_diagnosis import hang_figures
+from benchmarks.product_run import DETECTION, FAULTS, run_with_fault, why_unavailable
 from ftcore.ids import new_job_secret
 from health.aggregation import RankPlace
 from health.channel import Collector
@@ -339,17 +359,39 @@ def kill_trial(h: Harness) -> float:
     return time.monotonic() - start
 
 
-def product_hang() -> dict[str, Any] | None:
-    """``hang_diagnosis.measure`` when the lab cluster is up and we are root."""
-    from tests.cluster import labcluster
-    if os.geteuid() != 0 or labcluster.current_state() is None:
-        return None
-    from benchmarks.hang_diagnosis import measure
-    return measure()
+def product(faults: list[str], step: int) -> dict[str, Any]:
+    """One real run per fault (``product_run``); the reason instead when none can be."""
+    reason = why_unavailable()
+    if reason:
+        return {"not_run": reason, "runs": {}}
+    return {"not_run": None, "runs": {fault: run_with_fault(fault, step=step)
+                                      for fault in faults}}
 
 
-def run(trials: int, seed: int) -> dict[str, Any]:
-    hang = product_hang()
+#: The product's headline figures: (summary key, fault, figure of product_run).
+PRODUCT_KEYS = (("hang_diagnose_s", "hang", "fault_to_event_s"),
+                ("sdc_locate_s", "sdc", "fault_to_drained_s"),
+                ("fail_slow_detect_s", "slow", "fault_to_event_s"))
+#: Per fault in ``summary.product``: the rest is in ``details.product``.
+PRODUCT_FIGURES = ("event", "fault_to_event_s", "fault_to_drained_s", "fault_to_back_s")
+
+
+def product_summary(found: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(summary keys, details) of the product runs."""
+    figures = {fault: run.figures() for fault, run in found["runs"].items()}
+    summary: dict[str, Any] = {key: figures.get(fault, {}).get(figure)
+                               for key, fault, figure in PRODUCT_KEYS}
+    summary["product"] = {fault: {k: f[k] for k in PRODUCT_FIGURES}
+                          for fault, f in figures.items()}
+    summary["product_not_run"] = found["not_run"]
+    details = {"product": figures, "product_settings": dict(DETECTION)}
+    if "hang" in found["runs"]:
+        details["hang_diagnosis"] = hang_figures(found["runs"]["hang"])
+    return summary, details
+
+
+def library(trials: int, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(summary keys, details) of the loopback runs of the detection library."""
     h = Harness(seed)
     details: list[dict[str, Any]] = []
     try:
@@ -375,14 +417,59 @@ def run(trials: int, seed: int) -> dict[str, Any]:
         else None,
         "hang_detect_step_times": round(statistics.median(hang_steps), 2) if hang_steps else None,
         "nan_detect_steps": nan_steps,
-        "over_eviction_accuracy": round(sum(t["correct"] for t in details) / len(details), 4),
+        "over_eviction_accuracy": round(sum(t["correct"] for t in details) / len(details), 4)
+        if details else None,
         "trials": len(details),
-        "hang_diagnose_s": hang["hang_diagnose_s"] if hang else None,
     }
-    return {"summary": summary,
-            "details": {"hang_detect_step_times_max": round(max(hang_steps), 2)
-                        if hang_steps else None, "trials": details,
-                        "hang_diagnosis": hang}}
+    return summary, {"hang_detect_step_times_max": round(max(hang_steps), 2)
+                     if hang_steps else None, "trials": details}
+
+
+LIBRARY_KEYS = ("kill_detect_s", "hang_detect_s", "hang_detect_step_times", "nan_detect_steps",
+                "over_eviction_accuracy", "trials")
+
+
+def run(trials: int, seed: int, faults: list[str], step: int,
+        product_only: bool = False, library_only: bool = False) -> dict[str, Any]:
+    found = ({"not_run": "--library-only", "runs": {}} if library_only
+             else product(faults, step))
+    product_keys, product_details = product_summary(found)
+    if product_only:
+        library_keys: dict[str, Any] = {key: None for key in LIBRARY_KEYS}
+        library_details: dict[str, Any] = {"hang_detect_step_times_max": None, "trials": []}
+    else:
+        library_keys, library_details = library(trials, seed)
+    summary = {**library_keys, **product_keys,
+               "library_not_run": "--product-only" if product_only else None}
+    return {"summary": summary, "details": {**library_details, **product_details}}
+
+
+def fault_list(text: str) -> list[str]:
+    faults = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown or not faults:
+        raise argparse.ArgumentTypeError(
+            f"unknown fault(s) {unknown or text!r}: expected a comma-separated list of "
+            f"{', '.join(FAULTS)}")
+    return faults
+
+
+def print_table(summary: dict[str, Any], details: dict[str, Any]) -> None:
+    targets = {"kill_detect_s": "<= 5 s", "hang_detect_step_times": "<= 3",
+               "nan_detect_steps": "<= 1", "over_eviction_accuracy": ">= 0.978"}
+    sys.stdout.write("| metric | value | target |\n| --- | --- | --- |\n")
+    for key, value in summary.items():
+        if key == "product":
+            for fault, figures in value.items():
+                for name, figure in figures.items():
+                    sys.stdout.write(f"| product[{fault}].{name} | {figure} | |\n")
+        else:
+            sys.stdout.write(f"| {key} | {value} | {targets.get(key, '')} |\n")
+    sys.stdout.write(f"| hang_detect_step_times (max) | "
+                     f"{details['hang_detect_step_times_max']} | |\n")
+    for fault, figures in details.get("product", {}).items():
+        if figures["error"]:
+            sys.stdout.write(f"{fault}: {figures['error']} (run directory {figures['run_dir']})\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,21 +477,28 @@ def main(argv: list[str] | None = None) -> int:
     if args_list[:1] == ["--worker"]:
         worker_main(int(args_list[1]), args_list[2], args_list[3])
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=24, help="hang / fail-slow injections")
-    parser.add_argument("--seed", type=int, default=1)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=24,
+                        help="library: hang / fail-slow injections (default 24)")
+    parser.add_argument("--seed", type=int, default=1, help="library: the trials' random seed")
     parser.add_argument("--json", help="write the results here")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--product-only", action="store_true",
+                      help="only the real runs on the lab cluster, not the library's")
+    only.add_argument("--library-only", action="store_true",
+                      help="only the library's loopback runs, not the lab cluster's")
+    parser.add_argument("--faults", type=fault_list, default=list(FAULTS),
+                        help=f"product: the faults to inject, one run each "
+                             f"(default {','.join(FAULTS)})")
+    parser.add_argument("--fault-step", type=int, default=60,
+                        help="product: the step at which each fault is injected (default 60)")
     args = parser.parse_args(args_list)
-    result = run(args.trials, args.seed)
-    targets = {"kill_detect_s": "<= 5 s", "hang_detect_step_times": "<= 3",
-               "nan_detect_steps": "<= 1", "over_eviction_accuracy": ">= 0.978"}
-    sys.stdout.write("| metric | value | target |\n| --- | --- | --- |\n")
-    for key, value in result["summary"].items():
-        sys.stdout.write(f"| {key} | {value} | {targets.get(key, '')} |\n")
-    sys.stdout.write(f"| hang_detect_step_times (max) | "
-                     f"{result['details']['hang_detect_step_times_max']} | |\n")
+    result = run(args.trials, args.seed, args.faults, args.fault_step, args.product_only,
+                 args.library_only)
+    print_table(result["summary"], result["details"])
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 
