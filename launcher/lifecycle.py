@@ -8,6 +8,7 @@ files, ``scontrol``, inspection) and executes; it decides nothing.
     event --> observation rules here (exit codes, stalls, node reports, finish)
           --> fault / update facts --> versions table (rollback, rollout)
                                    --> recovery table (retry, evict, promote, restart)
+          --> a loss spike --> rollback rule (``rollback``: every replica restarted)
           --> every launch stamped with the code version it runs
 
 Time comes in as ``Now``: ``elapsed`` (monotonic: timeouts, unaffected by clock

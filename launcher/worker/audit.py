@@ -60,16 +60,27 @@ class AuditLog:
     def rollback(self, history: int, before_step: int, restored_step: int) -> None:
         """This replica restarted in ``history`` from ``restored_step``; once per history
         (a later relaunch in the same history restores whatever is newest)."""
-        if any(r.get("rollback") == history for r in self._records()):
+        if history in self._rollbacks():
             return
         self._append({"rollback": history, "before_step": before_step,
                       "restored_step": restored_step, "time": time.time()})
 
-    def _records(self) -> list[dict[str, Any]]:
+    def _rollbacks(self) -> set[int]:
+        """The rollbacks recorded here. Lenient, unlike the check: a line torn by a
+        killed writer must not stop the next incarnation from starting."""
         try:
-            return list(_parse(self.path.read_text(encoding="utf-8"), self.path.name))
+            text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            return []
+            return set()
+        found = set()
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "rollback" in record:
+                found.add(record["rollback"])
+        return found
 
     def _append(self, record: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

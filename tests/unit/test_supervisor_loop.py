@@ -471,4 +471,4 @@ def test_a_loss_spike_rolls_every_replica_back_without_a_failure(loop):
     assert all(run.supervisor.state.run.replica(r).failures == 0 for r in range(3))
     # ft-launch status lists it among the events
     from launcher.reporting.status import describe_event
-    assert describe_event(spiked[0]).startswith("LossSpiked step=21")
+    assert describe_event(spiked[0]) == "loss spiked at step 21: 40 against 2 -> rollback"
