@@ -20,6 +20,11 @@ Other faults of replica 1's node, each found, named, drained and replaced:
 * ``--fault slow``: its training processes are throttled (SIGSTOP/SIGCONT bursts): the
   replicas all slow down with it, but its own part of each step grows while the
   others wait for it, and after ``recovery.slow_window`` steps it goes.
+
+And one of the training, on every node: ``--fault spike`` scales every rank's loss and
+gradients up at that step; the controller finds the spike in the replicas' mean loss
+and rolls every replica back to its newest peer backup from before it (no node
+drained), and they train the steps after it again.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from rich.console import Console
 
-from launcher.events import NodeFaultDetected
+from launcher.events import LossSpiked, NodeFaultDetected
 from launcher.reporting.live import StatusDisplay, status_view
 from launcher.reporting.runlog import controller_log
 from launcher.reporting.status import RunStatus
@@ -77,6 +82,13 @@ def rejoined(replica_id: int) -> Callable[[RunStatus], bool]:
                          and r.state is BandState.TRAINING for r in s.replicas)
 
 
+def rolled_back(status: RunStatus) -> bool:
+    """Every replica relaunched by the rollback commits steps again."""
+    return len(status.replicas) == 3 and all(r.how == "relaunch"
+                                             and r.state is BandState.TRAINING
+                                             for r in status.replicas)
+
+
 def step_of(status: RunStatus, replica_id: int) -> int:
     return next((r.step for r in status.replicas if r.replica_id == replica_id), None) or -1
 
@@ -109,13 +121,19 @@ def found_fault(run_dir: Path) -> NodeFaultDetected | None:
                 None)
 
 
+def found_spike(run_dir: Path) -> LossSpiked | None:
+    return next((e for e in controller_log(run_dir) if isinstance(e, LossSpiked)), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=Path, metavar="DIR",
                         help="save live-status.svg and timeline.png here")
-    parser.add_argument("--fault", choices=("kill", "hang", "sdc", "slow"), default="kill",
+    parser.add_argument("--fault", choices=("kill", "hang", "sdc", "slow", "spike"),
+                        default="kill",
                         help="kill replica 1's node (default), deadlock one of its ranks, "
-                             "corrupt its gradients or throttle it")
+                             "corrupt its gradients or throttle it; or spike the loss "
+                             "everywhere (rolled back)")
     args = parser.parse_args(argv)
     console = Console()
     out = Path(tempfile.mkdtemp(prefix="ftl-demo-"))
@@ -127,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     pinned, victim = pinned_placement() if args.fault in INJECTED else ([], "")
     if args.fault in INJECTED:
         exports += f",FTL_WORKER_INJECT={INJECTED[args.fault]}@{victim}"
+    if args.fault == "spike":        # every rank of every replica, on every node
+        exports += f",FTL_WORKER_INJECT=spike@loss:{KILL_AT_STEP}"
     submitted = labcluster.ctl_run(["sbatch", "--parsable", f"--chdir={REPO}", *pinned,
                                     f"--output={out}/job.out", f"--export={exports}",
                                     str(REPO / "etc" / "examples" / "train.sbatch")])
@@ -156,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             assert fault is not None
             killed_at = fault.time
             display.note(f"== found: {fault.reason}")
+        elif args.fault == "spike":
+            display.note(f"== at step {KILL_AT_STEP}, every rank's loss and gradients are "
+                         "scaled up (a loss spike, in every replica's weights)")
+            wait(lambda s: found_spike(run_dir) is not None, 300, "the loss spike", display)
+            spike = found_spike(run_dir)
+            assert spike is not None
+            killed_at = spike.time
+            display.note(f"== {spike.reason}")
         else:
             status = wait(training_past(KILL_AT_STEP), 300,
                           f"training to pass step {KILL_AT_STEP}", display)
@@ -164,10 +192,15 @@ def main(argv: list[str] | None = None) -> int:
                          "process on it")
             labcluster.kill_node(victim)
             killed_at = time.time()
-        status = wait(rejoined(1), 120, "replica 1 to rejoin", display)
-        found = {"hang": "diagnosis", "kill": "crash"}.get(args.fault, "fault was found")
-        display.note(f"== replica 1 is back {time.time() - killed_at:.1f} s after the "
-                     f"{found}; training goes on to the end")
+        if args.fault == "spike":
+            status = wait(rolled_back, 300, "every replica to train again", display)
+            display.note(f"== every replica trains again {time.time() - killed_at:.1f} s "
+                         "after the spike was found, from before it")
+        else:
+            status = wait(rejoined(1), 120, "replica 1 to rejoin", display)
+            found = {"hang": "diagnosis", "kill": "crash"}.get(args.fault, "fault was found")
+            display.note(f"== replica 1 is back {time.time() - killed_at:.1f} s after the "
+                         f"{found}; training goes on to the end")
         if args.images:     # once it trains at speed again
             back = step_of(status, 1)
             status = wait(lambda s: step_of(s, 1) >= back + 10, 60, "replica 1 to go on",
@@ -182,12 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     same = len(finals) == 3 * RANKS and all(
         len({f["state_sha256"] for f in finals if f["rank"] == rank}) == 1
         for rank in range(RANKS))
-    drained = labcluster.ctl_run(["sinfo", "-h", "-n", victim, "-o", "%t %E"]).stdout.strip()
-    console.print(f"== replicas bit-identical at the end: {same}; node {victim} drained: "
-                  f"{drained}", highlight=False)
+    if victim:
+        drained = labcluster.ctl_run(["sinfo", "-h", "-n", victim, "-o",
+                                      "%t %E"]).stdout.strip()
+        console.print(f"== replicas bit-identical at the end: {same}; node {victim} "
+                      f"drained: {drained}", highlight=False)
+    else:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        console.print(f"== replicas bit-identical at the end: {same}; nodes drained: "
+                      f"{summary['nodes_drained'] or 'none'}", highlight=False)
     if args.images and (run_dir / "timeline.png").exists():
         shutil.copyfile(run_dir / "timeline.png", args.images / "timeline.png")
-    labcluster.heal_node(victim)
+    if victim:
+        labcluster.heal_node(victim)
     return 0 if same else 1
 
 

@@ -3,7 +3,8 @@
 # namespaces on this machine), with a replica's node killed mid-run and recovered
 # live (eviction, warm standby promotion, catch-up), then the run summary.
 # --fault hang|sdc|slow: one rank deadlocks, computes NaN gradients, or the node is
-# throttled instead; each is found, named, drained and replaced.
+# throttled instead; each is found, named, drained and replaced. --fault spike: the
+# loss spikes everywhere; every replica is rolled back to before it.
 # Run as root. Installs what is missing (only what the demo needs: the tests'
 # bootstrap adds the rest); leaves the cluster up
 # ('tests/cluster/slurm-cluster down' removes it).

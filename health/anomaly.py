@@ -182,3 +182,71 @@ class PeerSlowdownDetector:
 
     def forget(self, peer: int) -> None:
         self._own.pop(peer, None)
+
+
+@dataclass(frozen=True)
+class LossSpike:
+    """A step whose mean loss over the replicas that trained it spiked."""
+
+    step: int
+    loss: float         # the mean over ``replicas`` replicas
+    baseline: float     # median of the means of the steps before it
+    replicas: int
+
+    def describe(self) -> str:
+        return (f"step {self.step}: mean loss {self.loss:.4g} over {self.replicas} "
+                f"replica(s), {self.loss / self.baseline:.1f}x the median {self.baseline:.4g} "
+                "of the steps before it")
+
+
+class StepLossSpikes:
+    """Loss spikes of a data-parallel job, fed with every replica's loss of every step.
+
+    A step's value is the mean over the replicas that trained it (one replica's batch
+    may be hard; a spike of all of them is the model's), taken once all of them
+    reported it, or once the job is ``LAG`` steps further (a replica died in the
+    step). Steps are judged in order by a ``SpikeDetector`` whose baseline is the
+    median of the ``window`` steps before, and only once ``window`` steps were seen
+    (warm-up: the first losses fall fast and say nothing of the next ones).
+
+    ``history`` tells apart the histories of a run that was rolled back: a value of
+    an older history than the newest seen is passed over, a newer one starts the
+    steps again (the baseline is kept: it holds healthy losses only)."""
+
+    LAG = 2
+
+    def __init__(self, factor: float, window: int) -> None:
+        self._detector = SpikeDetector(factor, window, warmup=window)
+        self._pending: dict[int, tuple[int, list[float]]] = {}  # step -> (expected, losses)
+        self._judged = -1       # the newest step judged (or passed over) so far
+        self._newest = -1
+        self._history = 0
+
+    def observe(self, step: int, loss: float, replicas: int, history: int = 0
+                ) -> LossSpike | None:
+        """One replica's loss of ``step``, which ``replicas`` replicas trained; the first
+        spike among the steps this completes, if any."""
+        if history < self._history or not math.isfinite(loss):
+            return None
+        if history > self._history:
+            self._history, self._pending, self._judged, self._newest = history, {}, -1, -1
+        if step <= self._judged:
+            return None     # late: that step was judged without it
+        _, losses = self._pending.setdefault(step, (max(replicas, 1), []))
+        losses.append(loss)
+        self._newest = max(self._newest, step)
+        return self._judge()
+
+    def _judge(self) -> LossSpike | None:
+        found = None
+        for step in sorted(self._pending):
+            expected, losses = self._pending[step]
+            if len(losses) < expected and step > self._newest - self.LAG:
+                break       # its other replicas may still report it
+            del self._pending[step]
+            self._judged = step
+            mean = statistics.fmean(losses)
+            baseline = self._detector.observe(mean)
+            if baseline is not None and found is None:
+                found = LossSpike(step, mean, baseline, len(losses))
+        return found

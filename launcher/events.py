@@ -42,6 +42,20 @@ class FailSlowDetected(Event):
 
 
 @dataclass(frozen=True)
+class LossSpiked(Event):
+    """The job's loss spiked at ``step``: the mean over ``replicas`` replicas against the
+    median of the steps before it (``recovery.spike_*``). ``action``: "rollback" (every
+    replica restarts from its newest state before ``step``) or "report"."""
+
+    step: int
+    loss: float
+    baseline: float
+    replicas: int
+    action: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class StandbyPromoted(Event):
     replica_id: int
     node: str

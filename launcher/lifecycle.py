@@ -8,6 +8,7 @@ files, ``scontrol``, inspection) and executes; it decides nothing.
     event --> observation rules here (exit codes, stalls, node reports, finish)
           --> fault / update facts --> versions table (rollback, rollout)
                                    --> recovery table (retry, evict, promote, restart)
+          --> a loss spike --> rollback rule (``rollback``: every replica restarted)
           --> every launch stamped with the code version it runs
 
 Time comes in as ``Now``: ``elapsed`` (monotonic: timeouts, unaffected by clock
@@ -24,6 +25,7 @@ from ftcore.errors import ExitCode
 from ftcore.events import Event as Record
 
 from . import recovery as rc
+from . import rollback as rb
 from . import versions as cv
 from .events import FailSlowDetected, NodeFaultDetected
 from .run_state import ReplicaProgressed, ReplicaState, RunState
@@ -47,6 +49,7 @@ class Policy:
     diagnosis_timeout: float = 30.0  # the shell's bound on taking them
     slow_policy: SlowPolicy = SlowPolicy.EVICT   # a fail-slow replica's nodes are evicted
     member_timeout: float = 3.0     # quorum.member_timeout: a lost member was silent this long
+    spikes: rb.SpikeRules = field(default_factory=rb.SpikeRules)   # a loss spike: rollback
 
     @classmethod
     def from_config(cls, whole: Config) -> Policy:
@@ -57,7 +60,8 @@ class Policy:
                    hang_diagnosis=config.hang_diagnosis,
                    diagnosis_timeout=config.diagnosis_timeout,
                    slow_policy=config.slow_policy,
-                   member_timeout=whole.quorum.member_timeout)
+                   member_timeout=whole.quorum.member_timeout,
+                   spikes=rb.SpikeRules.from_config(whole))
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ class ControllerState:
     suspects: tuple[tuple[int, int], ...] = ()
     #: stalled replicas being diagnosed (their stacks taken) before they are evicted
     diagnosing: tuple[HangWatch, ...] = ()
+    #: the spiking step of every rollback so far (``rollback``): every launch carries them
+    rolled_back: tuple[int, ...] = ()
 
     @classmethod
     def initial(cls, run: RunState, policy: Policy | None = None) -> ControllerState:
@@ -223,7 +229,8 @@ class Tick:
 
 Event = (RunStarted | ProcessStarted | StepsCommitted | StepExited | StandbyAgentExited
          | NodesReported | InspectionAlarmed | GradientsNonFinite | QuorumLostMembers
-         | HangDiagnosed | ReplicaSlowed | cv.UpdateRequested | rc.StandbyAdded | Tick)
+         | HangDiagnosed | ReplicaSlowed | rb.LossSpikeFound | cv.UpdateRequested
+         | rc.StandbyAdded | Tick)
 
 
 # --------------------------------------------------------------------------- actions
@@ -302,6 +309,10 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
         return _slowed(state, event, now)
     if isinstance(event, HangDiagnosed):
         return _hang_diagnosed(state, event, now)
+    if isinstance(event, rb.LossSpikeFound):
+        spiked = rb.decide(state.run, state.rolled_back, event, state.policy.spikes, now.wall)
+        return _finish(replace(state, run=spiked.run, rolled_back=spiked.rolled_back),
+                       list(spiked.actions), now, spiked.reason)
     if isinstance(event, InspectionAlarmed):
         faults = [] if event.node in state.run.evicted else [
             rc.NodeFaulted(None, event.node, event.reason)]

@@ -25,18 +25,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftcore.config import Config, PromotionPath, SlowPolicy, StandbyMode
+from ftcore.config import Config, PromotionPath, SlowPolicy, SpikePolicy, StandbyMode
+from ftcore.env import ENV_ROLLBACKS
 from ftcore.errors import ExitCode, SlurmCommandError
 from ftcore.events import Event, EventLog, NodeDrained
 from ftcore.slurm.client import SlurmBackend, cancel_named_step, launch_logged
 from ftcore.slurm.commands import StepSpec
 from ftcore.slurm.states import Disposition, node_disposition
-from health.anomaly import PeerSlowdownDetector
+from health.anomaly import PeerSlowdownDetector, StepLossSpikes
 from health.drain import drain_node, drain_reason
 from health.drain_request import job_comment, write_request
 
 from . import lifecycle as lc
 from . import recovery as rc
+from . import rollback as rb
 from . import versions as cv
 from .diagnosis import DIAGNOSIS_DIR, HangDiagnosis, HangRequest
 from .events import (
@@ -59,6 +61,7 @@ from .standby import activate, unhealthy_file
 from .worker.events import StepCommitted, StepDiscarded, WorkerStarted
 from .worker.identity import ENV_REPLICA_ID, ENV_SECRET, replica_world_env
 from .worker.pids import clear_rank_pids
+from .worker.rollbacks import Rollbacks
 
 log = logging.getLogger(__name__)
 NODE_CHECK_INTERVAL = 2.0
@@ -115,6 +118,8 @@ class Supervisor:
         recovery = config.recovery
         self.pace = (PeerSlowdownDetector(recovery.slow_factor, recovery.slow_window)
                      if recovery.slow_policy is not SlowPolicy.OFF else None)
+        self.spikes = (StepLossSpikes(recovery.spike_factor, recovery.spike_window)
+                       if recovery.spike_policy is not SpikePolicy.OFF else None)
 
     # ------------------------------------------------------------------ launching
 
@@ -142,6 +147,8 @@ class Supervisor:
         launch = self._launches[replica_id] = self._launches.get(replica_id, -1) + 1
         clear_rank_pids(self.run_dir, replica_id)   # a diagnosis finds only the new ones
         return {**self.worker_env, ENV_REPLICA_ID: str(replica_id),
+                # the states a (re)launched replica may restore (launcher.rollback)
+                ENV_ROLLBACKS: Rollbacks(self.state.rolled_back).to_env(),
                 **replica_world_env(self.plan.job_id or "", replica_id, launch, nodes,
                                     self.plan.tasks_per_node)}
 
@@ -247,10 +254,11 @@ class Supervisor:
             for event in tail.read():
                 if isinstance(event, StepCommitted):
                     commits += 1
-                    slow = self._paced(replica_id, event)
-                    if slow is None:
+                    seen = [e for e in (self._paced(replica_id, event), self._spiked(event))
+                            if e is not None]
+                    if not seen:
                         continue
-                    found.extend([lc.StepsCommitted(replica_id, commits), slow])
+                    found.extend([lc.StepsCommitted(replica_id, commits), *seen])
                     commits = 0
                     continue
                 if isinstance(event, WorkerStarted) and self.pace is not None:
@@ -274,6 +282,17 @@ class Supervisor:
         slow = self.pace.observe(replica_id, commit.step_s - commit.wait_s)
         return None if slow is None else lc.ReplicaSlowed(replica_id, slow.own_s,
                                                           slow.peers_s, slow.steps)
+
+    def _spiked(self, commit: StepCommitted) -> rb.LossSpikeFound | None:
+        """A commit's loss for the loss-spike watch: only trained steps of the history
+        the run is in (the lines of processes a rollback cancelled are read late)."""
+        if (self.spikes is None or commit.caught_up or commit.loss is None
+                or commit.history != len(self.state.rolled_back)):
+            return None
+        spike = self.spikes.observe(commit.step, commit.loss, commit.contributors,
+                                    commit.history)
+        return None if spike is None else rb.LossSpikeFound(
+            spike.step, spike.loss, spike.baseline, spike.replicas, commit.history)
 
     def _reap_exits(self) -> list[lc.Event]:
         found: list[lc.Event] = []

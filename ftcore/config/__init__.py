@@ -38,6 +38,7 @@ from .sections import (
     RuntimeConfig,
     SlurmConfig,
     SlowPolicy,
+    SpikePolicy,
     StandbyMode,
 )
 
@@ -67,6 +68,7 @@ __all__ = [
     "RuntimeConfig",
     "SlurmConfig",
     "SlowPolicy",
+    "SpikePolicy",
     "StandbyMode",
     "Tables",
     "apply_table",

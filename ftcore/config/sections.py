@@ -46,6 +46,14 @@ class SlowPolicy(enum.Enum):
     OFF = "off"                       # do not watch step times
 
 
+class SpikePolicy(enum.Enum):
+    """What the controller does when the job's loss spikes."""
+
+    ROLLBACK = "rollback"             # every replica restarts from its newest state before it
+    REPORT = "report"                 # record it (event log, status) and train on
+    OFF = "off"                       # do not watch the loss
+
+
 class PromotionPath(enum.Enum):
     """How a standby node held in a reservation becomes a replica (reservation mode)."""
 
@@ -203,6 +211,18 @@ class RecoveryConfig(_Section):
     slow_policy: SlowPolicy = SlowPolicy.EVICT
     slow_factor: float = _factor(2.0, 1.0, 1000.0)
     slow_window: int = _count(30, 3, 100_000)
+    #: loss spike: per step the mean loss over the replicas that trained it, against the
+    #: median of the spike_window steps before (none judged before spike_window steps).
+    #: A mean above spike_factor x that median (x5: design.md's threshold) spiked. The
+    #: default rolls every replica back to its newest state from before the spiking
+    #: step (launcher.rollback): the all-reduce put the spike into every replica's
+    #: weights, and a human would find it too late; a false alarm costs the steps
+    #: since that state, at most max_rollbacks times a run (then reported only), and a
+    #: spike that comes back within spike_window steps of one rolled back is reported.
+    spike_policy: SpikePolicy = SpikePolicy.ROLLBACK
+    spike_factor: float = _factor(5.0, 1.0, 1000.0)
+    spike_window: int = _count(20, 3, 100_000)
+    max_rollbacks: int = _count(3, 0, 1000)
 
 
 @dataclass(frozen=True)

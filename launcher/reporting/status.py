@@ -25,6 +25,7 @@ from ..diagnosis import HangDiagnosisReported
 from ..events import (
     ActionTaken,
     FullRestartOrdered,
+    LossSpiked,
     NodeDrainRequested,
     NodeFaultDetected,
     ReplicaExited,
@@ -167,6 +168,9 @@ def describe_event(event: Event) -> str:
         case CodeRolledBack():
             return f"replica {event.replica_id} rolled back v{event.from_version} -> " \
                    f"v{event.to_version}: {event.reason}"
+        case LossSpiked():
+            return f"loss spiked at step {event.step}: {event.loss:.4g} against " \
+                   f"{event.baseline:.4g} -> {event.action}"
         case HangDiagnosisReported():
             return f"replica {event.replica_id} hung: {event.summary} -> evict " \
                    f"{_nodes(event.suspects)}"

@@ -31,6 +31,8 @@ class StepCommitted(Event):
     #: own pace, which the controller compares across replicas (fail-slow)
     step_s: float | None = None
     wait_s: float | None = None
+    #: the rollbacks the state it trains has been through (``worker.rollbacks``)
+    history: int = 0
 
 
 @dataclass(frozen=True)

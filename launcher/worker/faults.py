@@ -8,8 +8,14 @@ rank). ``hang@before_commit:40/1`` deadlocks rank 1 before step 40's commit vote
 training thread blocks for good on a lock it already holds (alive, stack readable,
 nothing but SIGKILL ends it), while rank 0 waits for it in the vote.
 ``nan@gradients:9`` puts a NaN into this rank's first gradient contribution of step 9
-(silent data corruption). Each fault fires once, in the incarnation that
-was given it; ``STEP+`` fires at that step and every one after (a broken GPU), and a
+(silent data corruption). ``spike@loss:85`` makes step 85's loss a spike: the loss
+this rank reports is ``SPIKE_SCALE`` times what it computed, and so are its gradients
+of that step (the weights of every replica are really hurt, through the all-reduce).
+
+Each fault fires once per run: when it fires, a marker file in the run directory
+(``faults/replica-R-rank-K/``) says so, and no later incarnation of that rank fires
+it again, even where the step comes again (a rollback, a restart from a
+checkpoint). ``STEP+`` fires at that step and every one after (a broken GPU), and a
 last ``@NODE`` limits it to the workers on that node: ``nan@gradients:30+@n3``
 corrupts whatever trains on n3 from step 30 on, and stops once n3 is replaced.
 """
@@ -22,11 +28,15 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from ftcore.env import ENV_INJECT
 from ftcore.errors import UsageError
 
 log = logging.getLogger(__name__)
+#: what ``spike@loss`` multiplies a step's loss and gradients by: far above any
+#: sensible ``recovery.spike_factor``
+SPIKE_SCALE = 20.0
 
 
 class FaultPoint(enum.Enum):
@@ -35,6 +45,7 @@ class FaultPoint(enum.Enum):
     BEFORE_COMMIT = "before_commit"    # all-reduce done, commit vote not yet cast
     AFTER_COMMIT = "after_commit"      # optimizer step and snapshot started
     GRADIENTS = "gradients"            # this rank's gradients, before they are reduced
+    LOSS = "loss"                      # the step's loss and gradients (as they are computed)
 
 
 class FaultAction(enum.Enum):
@@ -43,6 +54,7 @@ class FaultAction(enum.Enum):
     HANG = "hang"              # a deliberate deadlock of the thread that reaches the point
     RAISE = "raise"            # an exception in the training process
     NAN = "nan"                # a NaN in the gradients (at the gradients point only)
+    SPIKE = "spike"            # the loss and the gradients scaled up (at the loss point only)
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,11 @@ class InjectedFault:
     onwards: bool = False       # every step from ``step`` on, not just that one
     node: str | None = None     # None: on every node
 
+    @property
+    def marker(self) -> str:
+        """The name of the file that says it fired (one-shot faults)."""
+        return f"{self.action.value}-{self.point.value}-{self.step}"
+
 
 def parse_faults(text: str) -> tuple[InjectedFault, ...]:
     faults = []
@@ -64,26 +81,37 @@ def parse_faults(text: str) -> tuple[InjectedFault, ...]:
             step, _, rank = when.partition("/")
             if len(node) > 1 or node == [""]:
                 raise ValueError(item)
-            faults.append(InjectedFault(FaultAction(action), FaultPoint(point),
-                                        int(step.removesuffix("+")), int(rank) if rank else None,
-                                        step.endswith("+"), node[0] if node else None))
+            fault = InjectedFault(FaultAction(action), FaultPoint(point),
+                                  int(step.removesuffix("+")), int(rank) if rank else None,
+                                  step.endswith("+"), node[0] if node else None)
+            if (fault.action is FaultAction.SPIKE) != (fault.point is FaultPoint.LOSS):
+                raise ValueError(item)
+            faults.append(fault)
         except ValueError:
             raise UsageError(f"bad {ENV_INJECT} item {item!r}",
                              hint="write ACTION@POINT:STEP[+][/RANK][@NODE], ACTION in "
                                   f"{[a.value for a in FaultAction]}, POINT in "
-                                  f"{[p.value for p in FaultPoint]}") from None
+                                  f"{[p.value for p in FaultPoint]} (spike at loss "
+                                  "only)") from None
     return tuple(faults)
 
 
 class FaultInjector:
-    def __init__(self, faults: tuple[InjectedFault, ...] = ()) -> None:
-        self.pending = list(faults)
+    """``fired``: the directory of this rank's markers (None: faults fire once per
+    process)."""
+
+    def __init__(self, faults: tuple[InjectedFault, ...] = (), fired: Path | None = None
+                 ) -> None:
+        self.fired = fired
+        self.pending = [f for f in faults
+                        if f.onwards or fired is None or not (fired / f.marker).exists()]
 
     @staticmethod
-    def from_env(rank: int = 0, node: str = "") -> FaultInjector:
-        """The faults of ``FTL_WORKER_INJECT`` that fire on ``rank`` on ``node``."""
+    def from_env(rank: int = 0, node: str = "", fired: Path | None = None) -> FaultInjector:
+        """The faults of ``FTL_WORKER_INJECT`` that fire on ``rank`` on ``node`` and
+        have not fired in this run yet (markers in ``fired``)."""
         return FaultInjector(tuple(f for f in parse_faults(os.environ.get(ENV_INJECT, ""))
-                                   if f.rank in (None, rank) and f.node in (None, node)))
+                                   if f.rank in (None, rank) and f.node in (None, node)), fired)
 
     def _due(self, point: FaultPoint, step: int) -> list[InjectedFault]:
         return [f for f in self.pending if f.point is point
@@ -93,15 +121,16 @@ class FaultInjector:
         return bool(self._due(point, step))
 
     def check(self, point: FaultPoint, step: int) -> bool:
-        """Fire the faults due here; True if one corrupts data (``nan``) rather than
-        the process, which the caller then does."""
+        """Fire the faults due here; True if one corrupts data (``nan``, ``spike``)
+        rather than the process, which the caller then does."""
         corrupt = False
         for fault in self._due(point, step):
             if not fault.onwards:
                 self.pending.remove(fault)
+                self._mark(fault)       # first: a kill leaves no time after
             log.warning("injecting fault: %s at %s of step %d", fault.action.value,
                         point.value, step)
-            if fault.action is FaultAction.NAN:
+            if fault.action in (FaultAction.NAN, FaultAction.SPIKE):
                 corrupt = True
             elif fault.action is FaultAction.KILL:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -112,6 +141,17 @@ class FaultInjector:
             else:
                 raise RuntimeError(f"injected fault at {point.value} of step {step}")
         return corrupt
+
+
+    def _mark(self, fault: InjectedFault) -> None:
+        if self.fired is None:
+            return
+        try:
+            self.fired.mkdir(parents=True, exist_ok=True)
+            (self.fired / fault.marker).touch()
+        except OSError as error:     # a drill tool: the fault fires all the same
+            log.warning("fault %s not marked as fired in %s: %s", fault.marker, self.fired,
+                        error)
 
 
 def injected_deadlock() -> None:

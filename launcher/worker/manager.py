@@ -23,7 +23,6 @@ on every rank of the replica and retried under a new quorum, up to
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import sys
@@ -53,6 +52,7 @@ from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent
 from launcher.quorum.events import Event as QuorumEvent
 from launcher.quorum.witness_service import job_witnesses
 
+from .audit import AuditLog
 from .controller_loss import ControllerLostNotice, end_allocation, saver_of, wait_job_ended
 from .events import (
     AllocationEnded,
@@ -64,7 +64,7 @@ from .events import (
     WorkerStopped,
 )
 from .exchange import Job, StepWork
-from .faults import FaultInjector, FaultPoint
+from .faults import SPIKE_SCALE, FaultInjector, FaultPoint
 from .identity import WorkerIdentity
 from .ledger import DataLedger, StepContribution
 from .lr import lr_factor
@@ -72,6 +72,7 @@ from .pids import write_rank_pid
 from .protocol import (
     FailureBudget,
     NonFiniteGradientsError,
+    OtherHistoryError,
     QuorumView,
     ReplicaEndpoints,
     StepKind,
@@ -80,6 +81,7 @@ from .protocol import (
     plan_step,
 )
 from .replica_group import ReplicaGroup, SoloGroup
+from .rollbacks import HISTORY_KEY, Rollbacks, history_of
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,7 @@ class Reduction:
     step: int
     contributes: bool
     corrupt: bool = False       # fault injection: put a NaN into this contribution
+    scale: float = 1.0          # fault injection: a loss spike scales the gradients
     norm: GradientNorm = field(default_factory=GradientNorm)   # the step's, accumulated
 
 
@@ -134,12 +137,16 @@ class Manager:
         self._ledger = DataLedger(identity.num_replicas)
         self._next_step = 0
         self._budget = FailureBudget(config.runtime.max_consecutive_failures)
+        #: the run's rollbacks: which states this process may restore, whom it trains with
+        self._rollbacks = Rollbacks.from_env()
         run_dir = identity.run_dir
         tag = f"replica-{identity.replica_id}-rank-{identity.rank}"
         self._events = EventLog(run_dir / "events" / f"{tag}.jsonl")
-        self._audit = (run_dir / "audit" / f"replica-{identity.replica_id}.jsonl"
-                      if identity.rank == 0 else None)
-        self._faults = FaultInjector.from_env(identity.rank, identity.node)
+        self._audit = (AuditLog(run_dir / "audit" / f"replica-{identity.replica_id}.jsonl")
+                       if identity.rank == 0 else None)
+        self._faults = FaultInjector.from_env(identity.rank, identity.node,
+                                              fired=run_dir / "faults" / tag)
+        self._loss_scale = 1.0      # this step's (fault injection: a loss spike)
         write_rank_pid(identity)    # where a hang diagnosis finds this rank (worker.pids)
         self._ftar = FtarGroup(config.ftar, identity.secret, identity.host,
                               progress_hook=self._on_ring_progress)
@@ -160,7 +167,8 @@ class Manager:
         mine = (self._ftar.address, (self._ckpt.address.host, self._ckpt.address.port))
         gathered = self._group.all_gather(mine)
         self._endpoints = ReplicaEndpoints(tuple(tuple(g[0]) for g in gathered),   # type: ignore[misc]
-                                          tuple(tuple(g[1]) for g in gathered))   # type: ignore[misc]
+                                          tuple(tuple(g[1]) for g in gathered),   # type: ignore[misc]
+                                          self._rollbacks.history)
         # before the quorum agent starts: its callbacks read the step's plan
         self._quorum_id: int | None = None
         self._work = StepWork()
@@ -193,6 +201,9 @@ class Manager:
                                                  on_lost=self._end_if_stuck).start()
                            if identity.rank == 0 and identity.heartbeat is not None else None)
         self._restore_persistent()
+        if self._audit is not None and self._rollbacks.history:
+            self._audit.rollback(self._rollbacks.history, self._rollbacks.before[-1],
+                                 self._next_step - 1)
         self._events.emit(WorkerStarted(replica_id=identity.replica_id, rank=identity.rank,
                                        next_step=self._next_step))
 
@@ -246,7 +257,9 @@ class Manager:
         replica restores soundly from ckpt's tiers (a replica that comes back older than
         the others catches up from them at its first quorum). The tiers include the peer
         backups that this replica's ranks find on their nodes: after every replica was
-        lost at once, those are newer than the persistent tier."""
+        lost at once, those are newer than the persistent tier. After a rollback only
+        the states it left are restored (``worker.rollbacks``): the newest from before
+        the spike, first."""
         me = self._identity
         found = self._group.all_gather((me.node, (self._ckpt.address.host,
                                                   self._ckpt.address.port),
@@ -261,6 +274,11 @@ class Manager:
             except NoCheckpointError as error:  # every copy of it failed verification
                 log.warning("step %d cannot be restored: %s", step, error)
                 restored = None
+            if restored is not None and not self._rollbacks.restorable(
+                    step, history_of(restored.manifest.meta)):
+                log.info("step %d (%s, history %d) was rolled back: passed over", step,
+                         restored.tier.value, history_of(restored.manifest.meta))
+                restored = None
             if self._group.all_true(restored is not None):
                 assert restored is not None
                 loader_state = self._load_restored(restored)
@@ -274,11 +292,15 @@ class Manager:
                 # a replica that comes back older fetches this step from us at the first
                 # quorum: it must be in the snapshot buffers, not only in the model
                 self._ckpt.snapshot_restored(restored.step, self._state.snapshot_source(
-                    restored.step, self._ledger.to_state()))
+                    restored.step, self._loader_state()))
                 self._events.emit(StateRestored(
                     replica_id=me.replica_id, rank=me.rank, step=restored.step,
                     tier=restored.tier.value, skipped=list(restored.skipped)))
                 return
+
+    def _loader_state(self) -> dict[str, Any]:
+        """What rides in every snapshot beside the model: the ledger, and the history."""
+        return {**self._ledger.to_state(), HISTORY_KEY: self._rollbacks.history}
 
     def _load_restored(self, restored: Restored) -> Mapping[str, Any] | None:
         """Load a restored copy into the model; None for a peer's copy laid out for
@@ -298,6 +320,7 @@ class Manager:
         """Start the next step: the quorum is asked on the exchange thread, so this
         returns at once and forward runs beside it. ``plan`` waits for the answer."""
         self._error, self._contribution, self._catch_up, self._plan = None, None, None, None
+        self._loss_scale = 1.0
         # what the commit reports of the step: its time, the time this rank waited for
         # the others (the ring, the replica's vote), its reduced gradients' norm
         self._step_started, self._waited, self._norm = time.monotonic(), 0.0, GradientNorm()
@@ -327,6 +350,7 @@ class Manager:
             peers = [Peer(host, port) for host, port in plan.fetch_from]
             self._catch_up = self._ckpt.catch_up(peers, plan.step - 1)
         self._faults.check(FaultPoint.START_STEP, plan.step)
+        self._loss_scale = SPIKE_SCALE if self._faults.check(FaultPoint.LOSS, plan.step) else 1.0
         training = plan.kind is StepKind.TRAIN
         counts = self._ledger.contribution_vector(self._identity.replica_id,
                                                  self._batch_size if training else 0)
@@ -351,7 +375,8 @@ class Manager:
                 return plan
             except RecoverableError as error:
                 log.warning("no quorum for step %d yet: %s", self._next_step, error)
-                self._budget.failed(error, self._next_step)
+                if not isinstance(error, OtherHistoryError):   # a rollback: nobody's fault
+                    self._budget.failed(error, self._next_step)
                 time.sleep(max(0.0, attempt_started + self._config.quorum.join_timeout
                                - time.monotonic()))
 
@@ -402,8 +427,8 @@ class Manager:
         self._in_gradient_allreduce = True
         try:
             corrupt = self._faults.check(FaultPoint.GRADIENTS, plan.step)
-            reduce(Reduction(self._ftar, plan.step, plan.kind is StepKind.TRAIN, corrupt,
-                             self._norm))
+            reduce(Reduction(self._ftar, plan.step, plan.kind is StepKind.TRAIN,
+                             corrupt=corrupt, scale=self._loss_scale, norm=self._norm))
         finally:
             self._in_gradient_allreduce = False
 
@@ -463,14 +488,15 @@ class Manager:
         self._next_step = plan.step + 1
         # the ledger rides in the snapshot: whoever restores it resumes every stream
         self._ckpt.after_optimizer_step(plan.step, self._state.snapshot_source(
-            plan.step, self._ledger.to_state()))
+            plan.step, self._loader_state()))
         self._budget.succeeded()
         self._events.emit(StepCommitted(
             replica_id=self._identity.replica_id, rank=self._identity.rank, step=plan.step,
             quorum_id=plan.quorum_id, contributors=self._contribution.contributors,
-            caught_up=fetched is not None, lr_factor=factor, loss=loss,
+            caught_up=fetched is not None, lr_factor=factor,
+            loss=None if loss is None else loss * self._loss_scale,
             grad_norm=self._norm.value, step_s=time.monotonic() - self._step_started,
-            wait_s=self._waited))
+            wait_s=self._waited, history=self._rollbacks.history))
         self._faults.check(FaultPoint.AFTER_COMMIT, plan.step)
         return True
 
@@ -611,12 +637,8 @@ class Manager:
         if self._audit is None:
             return
         assert self._contribution is not None
-        record = {"step": plan.step, "quorum_id": plan.quorum_id, "time": time.time(),
-                  "positions_before": positions_before,
-                  "counts": list(self._contribution.counts)}
-        self._audit.parent.mkdir(parents=True, exist_ok=True)
-        with self._audit.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        self._audit.step(plan.step, plan.quorum_id, positions_before,
+                         list(self._contribution.counts), self._rollbacks.history)
 
     def close(self) -> None:
         # Called from the training script's ``finally``: with no exception on its way

@@ -30,22 +30,32 @@ class NonFiniteGradientsError(RecoverableError):
         self.values = values
 
 
+class OtherHistoryError(RecoverableError):
+    """The quorum holds replicas of another history (``worker.rollbacks``): processes
+    from before a rollback not yet ended, or this one is. Not a failure of this
+    replica: the step waits for the quorum to hold one history only."""
+
+
 @dataclass(frozen=True)
 class ReplicaEndpoints:
-    """Where each rank of a replica listens: FTAR data plane and state server."""
+    """Where each rank of a replica listens: FTAR data plane and state server; and
+    the history of the state it trains (``worker.rollbacks``)."""
 
     ftar: tuple[Address, ...]
     state: tuple[Address, ...]
+    history: int = 0
 
     def encode(self) -> str:
         return json.dumps({"ftar": [list(a) for a in self.ftar],
-                           "state": [list(a) for a in self.state]}, separators=(",", ":"))
+                           "state": [list(a) for a in self.state], "history": self.history},
+                          separators=(",", ":"))
 
     @staticmethod
     def decode(text: str) -> ReplicaEndpoints:
         raw = json.loads(text)
         return ReplicaEndpoints(tuple((h, int(p)) for h, p in raw["ftar"]),
-                                tuple((h, int(p)) for h, p in raw["state"]))
+                                tuple((h, int(p)) for h, p in raw["state"]),
+                                int(raw.get("history", 0)))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -89,11 +99,18 @@ def plan_step(view: QuorumView, replica_id: int, rank: int, last_quorum_id: int 
     if replica_id not in replicas:
         raise RecoverableError("this replica is not in the quorum", hint="rejoin next step",
                                replica_id=replica_id, quorum_id=view.quorum_id)
+    endpoints = {r: decode_endpoints(text) for r, text in view.members}
+    mine = endpoints[replica_id].history
+    others = sorted(r for r, ends in endpoints.items() if ends.history != mine)
+    if others:
+        raise OtherHistoryError(
+            f"replica(s) {others} of the quorum train another history than this one's "
+            f"({mine} rollback(s)): waiting for the processes from before a rollback to end",
+            replica_id=replica_id, quorum_id=view.quorum_id)
     if next_step > view.max_step:
         raise FatalError(f"local next step {next_step} is ahead of the quorum's max step "
                          f"{view.max_step}", hint="replica state diverged; restart it",
                          replica_id=replica_id, quorum_id=view.quorum_id)
-    endpoints = {r: decode_endpoints(text) for r, text in view.members}
     for r, ends in endpoints.items():
         if rank >= len(ends.ftar):
             raise FatalError(f"replica {r} advertises {len(ends.ftar)} ranks, this is rank "

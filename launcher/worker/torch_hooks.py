@@ -77,6 +77,8 @@ def reduce_gradient(reduction: Reduction, tensor: torch.Tensor) -> None:
     non-finite average fails the step on every replica alike (module doc)."""
     if reduction.corrupt:
         tensor.view(-1)[0] = float("nan")
+    if reduction.scale != 1.0:          # fault injection: a loss spike (worker.faults)
+        tensor.mul_(reduction.scale)
     own_finite = not reduction.contributes or math.isfinite(_norm(tensor))
     # counted before the reduction overwrites them; a pass only on this rare path
     own_bad = 0 if own_finite else int((~torch.isfinite(tensor)).sum())

@@ -27,6 +27,7 @@ from launcher.diagnosis import HangDiagnosisReported
 from launcher.events import (
     ActionTaken,
     FailSlowDetected,
+    LossSpiked,
     NodeDrainRequested,
     NodeFaultDetected,
     RunFinished,
@@ -421,3 +422,53 @@ def test_a_hung_replica_is_diagnosed_from_its_ranks_stacks_and_only_the_bad_node
     assert "stopped (SIGSTOP)" in report and "wait_collective" in report
     assert json.loads((Path(reported.report).parent / "report.json").read_text())[
         "suspects"] == ["n2b"]
+
+
+def loss_commits(run: Loop, losses: dict[int, float], steps: int, history: int = 0) -> None:
+    """Each replica commits ``steps`` steps with loss ``losses[r]``; one poll per step."""
+    for _ in range(steps):
+        for r, loss in losses.items():
+            run.steps[r] = run.steps.get(r, 0) + 1
+            run.worker(r, StepCommitted(replica_id=r, rank=0, step=run.steps[r], quorum_id=1,
+                                        contributors=len(losses), caught_up=False,
+                                        lr_factor=1.0, loss=loss, history=history))
+        run.poll(0.1)
+
+
+def written(run: Loop) -> list[object]:
+    """The controller's records so far (each line is flushed: the log stays open)."""
+    return list(read_events(run.run_dir / "controller.jsonl"))
+
+
+def test_a_loss_spike_rolls_every_replica_back_without_a_failure(loop):
+    """Every replica's loss jumps 20x at one step: the controller records LossSpiked and
+    restarts each replica in place, every launch from then on carrying the rollback; no
+    node drained, no standby used. The cancelled processes' late lines (the old history)
+    raise nothing more."""
+    run = loop(spike_window=10)
+    run.started(0, 1, 2)
+    loss_commits(run, {0: 2.0, 1: 2.1, 2: 1.9}, steps=20)
+    first = {r: run.slurm.step_named(f"replica-{r}") for r in range(3)}
+    assert all(s.env["FTL_WORKER_ROLLBACKS"] == "" for s in first.values())
+    loss_commits(run, {0: 40.0, 1: 42.0, 2: 38.0}, steps=1)
+    spiked = [e for e in written(run) if isinstance(e, LossSpiked)]
+    assert [(e.step, e.action, e.replicas) for e in spiked] == [(21, "rollback", 3)]
+    assert spiked[0].loss == pytest.approx(40.0) and spiked[0].baseline == pytest.approx(2.0)
+    relaunched = {r: run.slurm.step_named(f"replica-{r}") for r in range(3)}
+    assert all(first[r].cancelled and relaunched[r] is not first[r] for r in range(3))
+    assert all(s.env["FTL_WORKER_ROLLBACKS"] == "21" for s in relaunched.values())
+    assert not any(c[0] == "set_node_state" for c in run.slurm.calls)
+    assert [s.spec.name for s in run.slurm.live_steps()].count("standby-s1") == 1
+    actions = [a for a in taken(written(run)) if a[0] in ("CancelReplica", "RelaunchReplica")]
+    assert actions == [("CancelReplica", r, None) for r in range(3)] + [
+        ("RelaunchReplica", r, None) for r in range(3)]
+    loss_commits(run, {0: 40.0, 1: 40.0, 2: 40.0}, steps=3)       # late lines: history 0
+    run.started(0, 1, 2)
+    run.steps = {r: 15 for r in range(3)}                          # restored step 15
+    loss_commits(run, {0: 2.0, 1: 2.0, 2: 2.0}, steps=10, history=1)
+    assert [e.step for e in written(run) if isinstance(e, LossSpiked)] == [21]
+    assert all(run.state(r) is ReplicaState.RUNNING for r in range(3))
+    assert all(run.supervisor.state.run.replica(r).failures == 0 for r in range(3))
+    # ft-launch status lists it among the events
+    from launcher.reporting.status import describe_event
+    assert describe_event(spiked[0]) == "loss spiked at step 21: 40 against 2 -> rollback"

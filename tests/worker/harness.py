@@ -33,6 +33,12 @@ def loopback_job(run_dir: Path, replicas: int, steps: int, size: str = "tiny",
                     {**TEST_CONFIG, **config}, ranks=ranks)
 
 
+def restored_states(job: LocalJob) -> list:
+    """Every ``StateRestored`` of every replica's rank 0, replica by replica."""
+    return [e for r in range(job.replicas) for e in job.events(r)
+            if type(e).__name__ == "StateRestored"]
+
+
 def check_run(job: LocalJob, steps: int) -> list[int]:
     """Exactly-once audit; returns the final positions."""
     summary = check_exactly_once(job.run_dir, job.replicas, steps)
