@@ -23,5 +23,6 @@ ENV_RANKS = WORKER_PREFIX + "RANKS"
 ENV_INCARNATION = WORKER_PREFIX + "INCARNATION"    # tells apart relaunches of a replica
 ENV_HEARTBEAT = WORKER_PREFIX + "HEARTBEAT"        # the controller's heartbeat file
 ENV_INJECT = WORKER_PREFIX + "INJECT"              # faults to inject (drills, tests)
+ENV_REPLAY = WORKER_PREFIX + "REPLAY"              # replay one step (the spec file), no training
 ENV_REPLAY_GROUP = WORKER_PREFIX + "REPLAY_GROUP"  # a replay job's group (row2, col0)
 ENV_REPLAY_NODES = WORKER_PREFIX + "REPLAY_NODES"  # and its nodes, comma-separated

@@ -92,6 +92,31 @@ def reduce_gradient(reduction: Reduction, tensor: torch.Tensor) -> None:
             values=own_bad)
 
 
+#: The integer view and the top exponent bit of each float format: flipped in 1.0 (the
+#: gradient of a loss, where backward starts) it gives +Inf in every one of them.
+_TOP_EXPONENT_BIT = {torch.float32: (torch.int32, 1 << 30), torch.bfloat16: (torch.int16, 1 << 14),
+                     torch.float16: (torch.int16, 1 << 14)}
+
+
+def corrupt_gradients_while(model: torch.nn.Module, corrupting: Callable[[], bool]) -> None:
+    """Silent data corruption on this node (``faults.node_sdc_probe``): while
+    ``corrupting()``, one bit of the gradient of the model's output flips before
+    backward goes on from it, so this rank's every local gradient is off before
+    FSDP's reduce-scatter (or DDP's all-reduce) mixes it into every rank's shard."""
+    def on_output(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if (isinstance(output, torch.Tensor) and output.requires_grad
+                and output.dtype in _TOP_EXPONENT_BIT and corrupting()):
+            output.register_hook(_flip_top_exponent_bit)
+    model.register_forward_hook(on_output)
+
+
+def _flip_top_exponent_bit(grad: torch.Tensor) -> torch.Tensor:
+    flipped = grad.clone()
+    kind, bit = _TOP_EXPONENT_BIT[grad.dtype]
+    flipped.view(-1)[:1].view(kind).bitwise_xor_(bit)
+    return flipped
+
+
 def _norm(tensor: torch.Tensor) -> float:
     # One pass that allocates nothing gives both the norm the controller watches and
     # the finiteness check: NaN and Inf survive it (isfinite is ~100x slower on CPU).
