@@ -245,7 +245,8 @@ class SdcReplay:
             setup.slurm, (sys.executable, "-m", "launcher.worker.task", "--", *order.command),
             job_id=setup.job_id or None, tasks_per_node=setup.tasks_per_node,
             timeout=max(1.0, (deadline - time.monotonic()) / 2),
-            extra_args=setup.srun_extra_args, env=lambda label, nodes: self._env(
+            extra_args=("--export=ALL", *setup.srun_extra_args),
+            env=lambda label, nodes: self._env(
                 path, label, len(nodes)), overlap=True, log_dir=self.out_dir / "logs")
         if self._cancelled.is_set():
             launcher.cancel()

@@ -30,8 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from ftcore.errors import UsageError
 from .exchange import Job
 from .identity import WorkerIdentity
 from .ledger import DataLedger
-from .manager import GradientNorm, Reduction, TrainState
+from .manager import GradientNorm, Manager, Reduction, TrainState
 from .protocol import NonFiniteGradientsError, StepPlan
 from .replay_files import (
     RankDigest,
@@ -93,15 +92,20 @@ def replay_requested() -> Path | None:
     return Path(path) if path else None
 
 
-class ReplayManager:
-    """What a training script calls of a ``Manager``, in a replay (module doc)."""
+class ReplayManager(Manager):
+    """A ``Manager`` for a replay (module doc): what a training script reads of one
+    (``next_step``, ``data_position``, ``identity``, ...) as ever, none of its
+    machinery (quorum, FTAR, state server, event file), and a step that ends the
+    process at its commit. Replica ``identity.replica_id`` is the one replayed."""
 
     def __init__(self, config: Config, identity: WorkerIdentity, state: TrainState,
                  batch_size: int, spec: ReplaySpec, group_label: str, *,
                  group: ReplicaGroup | None = None) -> None:
-        if spec.ranks != identity.ranks:
-            raise ReplayFileError(f"replay {spec.replay_id} replays {spec.ranks} ranks, but "
-                                  f"this group runs {identity.ranks}")
+        # not Manager.__init__: that one joins the job
+        if (spec.ranks, spec.replica_id) != (identity.ranks, identity.replica_id):
+            raise ReplayFileError(f"replay {spec.replay_id} replays {spec.ranks} ranks of "
+                                  f"replica {spec.replica_id}, but this group runs "
+                                  f"{identity.ranks} of replica {identity.replica_id}")
         self._config = config
         self._identity = identity
         self._state = state
@@ -122,37 +126,6 @@ class ReplayManager:
         self._exchanged = False
         log.info("replaying step %d of replica %d as rank %d of group %s on %s",
                  self._next_step, spec.replica_id, identity.rank, self._label, identity.node)
-
-    # ------------------------------------------------------------------ what scripts read
-
-    @property
-    def config(self) -> Config:
-        return self._config
-
-    @property
-    def identity(self) -> WorkerIdentity:
-        return self._identity
-
-    @property
-    def state(self) -> TrainState:
-        return self._state
-
-    @property
-    def next_step(self) -> int:
-        return self._next_step
-
-    @property
-    def positions(self) -> list[int]:
-        return list(self._ledger.positions)
-
-    @property
-    def data_position(self) -> int:
-        """The replayed replica's stream, where the captured step left it."""
-        return self._ledger.positions[self._spec.replica_id]
-
-    @property
-    def step_started(self) -> bool:
-        return self._started
 
     @property
     def plan(self) -> StepPlan:
@@ -189,14 +162,8 @@ class ReplayManager:
         self._exchanged = True
         self._state.finish_gradients()
 
-    @contextmanager
-    def training_step(self) -> Iterator[None]:
-        self.start_step()
-        yield
-        self.allreduce_gradients()
-
     def commit(self, loss: float | None = None) -> bool:
-        """Write this rank's digest, wait for the group, end the process."""
+        """Write this rank's digest, wait for the group, end the process (no commit)."""
         self.allreduce_gradients()
         me = self._identity
         write_result(self._spec, RankDigest(
@@ -211,7 +178,7 @@ class ReplayManager:
         raise ReplayFinished
 
     def close(self) -> None:
-        return None
+        return None     # nothing was started
 
 
 def replay_manager(config: Config, identity: WorkerIdentity, state: TrainState,

@@ -44,7 +44,7 @@ from ftcore.errors import UsageError
 from .faults import node_sdc_probe
 from .identity import ENV_CONFIG, ENV_INCARNATION, WorkerIdentity
 from .manager import Manager, Reduction
-from .replay import ReplayManager, replay_manager, replay_requested
+from .replay import replay_manager, replay_requested
 from .torch_hooks import DdpExchange, FsdpExchange, corrupt_gradients_while, reduce_gradient
 
 __all__ = ["FtOptimizer", "Manager", "TorchReplicaGroup", "TorchTrainState", "ft_manager"]
@@ -76,7 +76,7 @@ class TorchTrainState:
     def sharded(self) -> bool:
         return any(is_sharded(p) for p in self.params)
 
-    def install_hooks(self, manager: Manager | ReplayManager) -> None:
+    def install_hooks(self, manager: Manager) -> None:
         """Reduce during backward (FSDP2's all-reduce hook, DDP's comm hook), unless
         ``runtime.overlap_backward`` is off; then everything after backward."""
         if not manager.config.runtime.overlap_backward:
@@ -289,4 +289,4 @@ def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_s
     manager = (Manager(config, identity, state, batch_size, group=group) if replay is None
                else replay_manager(config, identity, state, batch_size, replay, group))
     state.install_hooks(manager)
-    return manager  # type: ignore[return-value]  # a replay's stands in for it
+    return manager

@@ -16,6 +16,8 @@ every member the same bytes, so every replica in the quorum finds the same
 non-finite average, discards the step and retries it: a NaN from one replica (bad
 hardware, silent data corruption) never reaches any replica's weights. One that
 comes back step after step uses up ``runtime.max_consecutive_failures``.
+(``corrupt_gradients_while`` makes such a node for tests: a bit of the loss
+gradient flips on it, before anything is reduced.)
 
 FSDP lays each parameter's gradient out as a view into the hook's buffer when
 the reduce dtype is the parameter's dtype; then the reduced values land in the
