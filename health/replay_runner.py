@@ -118,6 +118,7 @@ class SrunGroupLauncher:
             proc = self.slurm.launch_step(spec, env=env, stdout=subprocess.PIPE)
             code, detail = _finish(proc, self.timeout)
         else:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
             proc = launch_logged(self.slurm, spec, self.log_dir / label, env)
             code, detail = self._wait_logged(spec.name, proc, label)
         return GroupOutcome(label, nodes, code == 0, code, detail)

@@ -112,12 +112,12 @@ def on_nonfinite(book: ReplayBook, run: RunState, replica_id: int, watched: bool
     ``watched``: its current process wrote it. ``training``: the replicas that train
     (a replay's sources); ``on_standby``: standbys may host replay steps."""
     rid = replica_id
-    if book.replaying(rid) is not None:
-        return ReplayDecision(book, rid, f"replica {rid} is being replayed: its last lines "
-                                         "are not news")
+    if book.replaying(rid) is not None or not watched:
+        return ReplayDecision(book, rid, f"replica {rid}'s cancelled process wrote it: not "
+                                         "news")
     counts = dict(book.nonfinite)
     steps = counts[rid] = counts.get(rid, 0) + 1
-    if not limit or steps < limit or not watched:
+    if not limit or steps < limit:
         return ReplayDecision(replace(book, nonfinite=tuple(sorted(counts.items()))), rid,
                               f"replica {rid}: NaN/Inf gradients in {steps} step(s) (a "
                               f"replay at {limit})")

@@ -83,9 +83,14 @@ def _field(record: Mapping[str, Any], key: str, kind: type, path: Path) -> Any:
 
 
 def _name(value: str, key: str, path: Path) -> str:
+    return check_name(value, f"{path}: field {key!r}")
+
+
+def check_name(value: str, what: str) -> str:
+    """A label or id that becomes a file name: plain characters only."""
     if not _NAME.fullmatch(value):
-        raise ReplayFileError(f"{path}: field {key!r} must be 1-64 letters, digits, '_', "
-                              f"'.' or '-', got {value!r}")
+        raise ReplayFileError(f"{what} must be 1-64 letters, digits, '_', '.' or '-', "
+                              f"got {value!r}")
     return value
 
 
@@ -238,10 +243,3 @@ def read_result(path: Path) -> RankDigest:
         raise ReplayFileError(f"{path}: field 'digest' must be 64 hex digits and "
                               f"'nonfinite' >= 0")
     return result
-
-
-def check_name(value: str, what: str) -> str:
-    """A label or id that becomes a file name (the shell checks its own before use)."""
-    if not _NAME.fullmatch(value):
-        raise ReplayFileError(f"{what} {value!r}: use 1-64 letters, digits, '_', '.' or '-'")
-    return value

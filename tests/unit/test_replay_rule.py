@@ -124,10 +124,16 @@ def test_a_replay_never_answered_fails_after_twice_its_bound_and_a_late_answer_i
     assert not late.actions and "given up on" in late.reason
 
 
-def test_lines_the_cancelled_replica_wrote_count_for_nothing_while_it_is_replayed():
+def test_lines_a_cancelled_process_wrote_count_for_nothing():
     state, _ = replaying()
     stale = nonfinite(state, LIMIT)
     assert not stale.actions and stale.state.replays == state.replays
+    # relaunched for another fault, its new process not started yet: the old one's lines
+    relaunched = lc.decide(started(), lc.NodesReported((("n1a", "Slurm reports DOWN"),)),
+                           at(1)).state
+    assert relaunched.watch[1].awaiting_start
+    old_lines = nonfinite(relaunched, LIMIT, t=2)
+    assert not old_lines.actions and not old_lines.state.replays.nonfinite
 
 
 def test_without_a_healthy_replica_or_reference_nodes_every_node_goes_at_once():
