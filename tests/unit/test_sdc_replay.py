@@ -93,7 +93,7 @@ def test_the_replay_captures_runs_each_group_and_names_the_node(training_replica
     assert "row1: rank 0 on n5: 3 NaN/Inf values" in outcome.summary
     out = training_replica / "replay" / "replica-1-1"
     for rank in range(2):        # the captured state: every rank's shard of one step
-        manifest, buffer = load_captured(out / "state", rank)
+        manifest, _ = load_captured(out / "state", rank)
         assert (manifest.step, manifest.rank) == (STEP, rank)
     groups = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted(g["label"] for g in groups) == ["col0", "col1", "row0", "row1"]
