@@ -23,9 +23,11 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 
+from ftcore.events import NodeDrained
 from launcher.events import (
     NodeFaultDetected,
     ReplicaLaunched,
@@ -95,6 +97,7 @@ def test_the_node_that_corrupts_gradients_is_found_by_replay_and_alone_drained(
     standbys = sorted((n for n in job.nodes if all(n not in ns for ns in launched.values())),
                       key=lambda n: n == job.batch_host)      # promotion order
     (faults / f"{bad}.json").write_text(json.dumps([{"sdc": True}]))
+    injected_at = time.time()
 
     (reported,) = wait_until(lambda: run.events(SdcReplayReported), 2 * REPLAY_TIMEOUT,
                              "the dual-phase replay's verdict")
@@ -144,4 +147,9 @@ def test_the_node_that_corrupts_gradients_is_found_by_replay_and_alone_drained(
                              str(run.run_dir)], cwd=REPO, capture_output=True, text=True,
                             timeout=60, check=True).stdout
     assert "sdc replays:" in status and reported.report in status
-    print(f"sdc replay: step {reported.step} replayed, verdict in {reported.duration_s:.1f} s")
+    # fault -> drained: the NaN/Inf steps, then the replay within its bound
+    (drained,) = [e for e in run.events(NodeDrained) if e.node == bad]
+    took = drained.time - injected_at
+    assert 0 < took < 2 * REPLAY_TIMEOUT, took      # where the rule would give up
+    print(f"sdc: fault -> {bad} drained {took:.1f} s (replay of step {reported.step}: "
+          f"{reported.duration_s:.1f} s)")
