@@ -306,12 +306,7 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
         return _faults(state, faults, now, "Slurm reports node states")
     if isinstance(event, GradientsNonFinite):
         if rr.applies(state.policy.sdc_replay, state.run, event.replica_id):
-            watch = state.watch[event.replica_id]
-            training = [r.replica_id for r in state.run.replicas if _training(state, r.replica_id)]
-            return _replayed(state, rr.on_nonfinite(
-                state.replays, state.run, event.replica_id, watch.live and not watch.awaiting_start,
-                training, state.policy.nonfinite_limit, now.elapsed,
-                state.policy.replay_on_standby), now)
+            return _replayed(state, _replay_nonfinite(state, event, now), now)
         return _nonfinite(state, event, now)
     if isinstance(event, rr.ReplayLocated):
         return _replayed(state, rr.on_located(state.replays, event), now)
@@ -339,6 +334,16 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
     if overdue is not None:
         return _replayed(state, overdue, now)
     return _ticked(state, now)
+
+
+def _replay_nonfinite(state: ControllerState, event: GradientsNonFinite, now: Now
+                      ) -> rr.ReplayDecision:
+    watch = state.watch[event.replica_id]
+    training = [r.replica_id for r in state.run.replicas if _training(state, r.replica_id)]
+    return rr.on_nonfinite(state.replays, state.run, event.replica_id,
+                           watch.live and not watch.awaiting_start, training,
+                           state.policy.nonfinite_limit, now.elapsed,
+                           state.policy.replay_on_standby)
 
 
 def _replayed(state: ControllerState, decision: rr.ReplayDecision, now: Now) -> Decision:
