@@ -68,6 +68,8 @@ def replayed_run(slurm_cluster, simulated_gpus, tmp_path):
                # replica 0 waits in the quorum while replica 1 is replayed (paced, ~1 s
                # a try): its budget must outlast the replay
                "FTL_RUNTIME_MAX_CONSECUTIVE_FAILURES": str(int(2 * REPLAY_TIMEOUT)),
+               # relaunched cold (health gate, torch, FSDP2, catch-up) beside the others
+               "FTL_RECOVERY_START_TIMEOUT": "90",
                # four ranks and the replay's on this machine's cores: a leader late by a
                # second is not lost
                "FTL_QUORUM_MEMBER_TIMEOUT": "6", "FTL_QUORUM_ELECTION_TIMEOUT": "3"}
