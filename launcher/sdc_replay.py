@@ -175,17 +175,16 @@ def group_result(spec: ReplaySpec, outcome: GroupOutcome) -> GroupResult:
     if not outcome.ok:
         return GroupResult(outcome.label, None, outcome.detail
                            or f"exited with {outcome.exit_code}")
-    digests = []
-    for rank in range(spec.ranks):
-        try:
-            result = read_result(spec.result_file(outcome.label, rank))
-        except ReplayFileError as error:
-            return GroupResult(outcome.label, None, str(error))
-        if result.nonfinite:
-            return GroupResult(outcome.label, None, f"rank {rank} on {result.node}: "
-                                                    f"{result.nonfinite} NaN/Inf values")
-        digests.append(result.digest)
-    return GroupResult(outcome.label, ",".join(digests))
+    try:
+        results = [read_result(spec.result_file(outcome.label, rank))
+                   for rank in range(spec.ranks)]
+    except ReplayFileError as error:
+        return GroupResult(outcome.label, None, str(error))
+    bad = [r for r in results if r.nonfinite]
+    if bad:
+        return GroupResult(outcome.label, None, "NaN/Inf on " + ", ".join(
+            f"rank {r.rank} ({r.node}, {r.nonfinite} values)" for r in bad))
+    return GroupResult(outcome.label, ",".join(r.digest for r in results))
 
 
 @dataclass
@@ -255,11 +254,13 @@ class SdcReplay:
             launcher.timeout = max(1.0, deadline - time.monotonic())
 
         rows, columns = run_phases(grid, launcher, before_columns=last_phase)
-        found = judge(grid, [group_result(spec, o) for o in rows],
-                      [group_result(spec, o) for o in columns], range(1, size))
+        row_results = [group_result(spec, o) for o in rows]
+        column_results = [group_result(spec, o) for o in columns]
+        found = judge(grid, row_results, column_results, range(1, size))
         outcome = self._outcome(found, step + 1, time.monotonic() - started)
-        outcome = replace(outcome, report=self._report(grid, source, spec, rows + columns,
-                                                       found, outcome))
+        outcome = replace(outcome, report=self._report(
+            grid, source, spec, list(zip(rows + columns, row_results + column_results)),
+            found, outcome))
         log.info("replay of replica %d: %s (%s)", order.replica_id, outcome.summary,
                  outcome.report)
         return outcome
@@ -286,15 +287,15 @@ class SdcReplay:
                              verdict.failed_columns, step, summary, duration_s=duration)
 
     def _report(self, grid: ReplayGrid, source: int, spec: ReplaySpec,
-                outcomes: Sequence[GroupOutcome], found: Judgement,
+                groups: Sequence[tuple[GroupOutcome, GroupResult]], found: Judgement,
                 outcome: ReplayOutcome) -> str:
         path = self.out_dir / "report.txt"
         record: dict[str, Any] = {
             **asdict(outcome), "report": str(path), "why": self.order.reason,
             "source_replica": source, "captured_step": spec.step,
-            "grid": [list(row) for row in grid.rows],
-            "reference": found.reference, "groups": [asdict(o) for o in outcomes],
-            "failed": [asdict(g) for g in found.failed]}
+            "grid": [list(row) for row in grid.rows], "reference": found.reference,
+            "groups": [{**asdict(o), "digest": r.digest, "why": r.detail} for o, r in groups],
+            "failed": [g.label for g in found.failed]}
         atomic_write_text(self.out_dir / "report.json", json.dumps(record, indent=1) + "\n",
                           durable=False)
         lines = [(f"dual-phase replay of replica {outcome.replica_id} "
@@ -304,9 +305,11 @@ class SdcReplay:
                   f"{spec.step}, in {outcome.duration_s:.1f} s"),
                  f"verdict: {outcome.summary}", "grid (rows of nodes):"]
         lines += [f"  row{r}: {' '.join(row)}" for r, row in enumerate(grid.rows)]
-        lines += [f"  {o.label} on {','.join(o.nodes)}: "
-                  f"{'ok' if o.ok else o.detail or 'exit ' + str(o.exit_code)}"
-                  for o in outcomes]
+        lines.append("groups:")
+        lines += [f"  {o.label} on {','.join(o.nodes)}: " + (
+                  r.detail if r.digest is None else "the reference's bits"
+                  if r.digest == found.reference else "other bits than the reference")
+                  for o, r in groups]
         atomic_write_text(path, "\n".join(lines) + "\n", durable=False)
         return str(path)
 

@@ -90,7 +90,7 @@ def test_the_replay_captures_runs_each_group_and_names_the_node(training_replica
     (outcome,) = finished(running)
     assert (outcome.status, outcome.suspects) == ("found", ("n5",)), outcome.summary
     assert (outcome.failed_rows, outcome.failed_columns, outcome.step) == ((1,), (0,), STEP + 1)
-    assert "row1: rank 0 on n5: 3 NaN/Inf values" in outcome.summary
+    assert "row1: NaN/Inf on rank 0 (n5, 3 values), rank 1 (n1, 3 values)" in outcome.summary
     out = training_replica / "replay" / "replica-1-1"
     for rank in range(2):        # the captured state: every rank's shard of one step
         manifest, _ = load_captured(out / "state", rank)
@@ -100,8 +100,10 @@ def test_the_replay_captures_runs_each_group_and_names_the_node(training_replica
     assert all(g["world"] == "2" and g["replica"] == "1" for g in groups)
     report = json.loads((out / "report.json").read_text())
     assert report["grid"] == [["n4", "n6"], ["n5", "n1"]] and report["source_replica"] == 0
-    assert outcome.report == str(out / "report.txt") and "verdict:" in Path(
-        outcome.report).read_text()
+    text = Path(outcome.report).read_text()
+    assert outcome.report == str(out / "report.txt") and "verdict: replay found" in text
+    assert "col1 on n6,n1: the reference's bits" in text and "row0 on n4,n6: the " in text
+    assert report["failed"] == ["row1", "col0"]
     record, located = outcome.record(), outcome.located()
     assert record.suspects == ["n5"] and located.suspects == ("n5",)
 
