@@ -22,7 +22,9 @@ its nodes does (``launcher.sdc_replay``). ``ft_manager`` then returns a
 
 Same state, same batch, same world layout: healthy CPU nodes compute the same
 bits (gloo's reductions are deterministic), so a group whose digests differ from
-the healthy reference group's, or that counts NaN/Inf, holds the bad node.
+the healthy reference group's, or that counts NaN/Inf, holds the bad node. (On
+GPUs the same holds only for deterministic kernels and collectives: without them a
+replay tells NaN/Inf apart, not a wrong bit.)
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ftcore.config import Config
+from ftcore.config import Config, FtarConfig
 from ftcore.env import ENV_REPLAY, ENV_REPLAY_GROUP
 from ftcore.errors import UsageError
 
@@ -69,9 +71,12 @@ class ReplayFinished(SystemExit):
 
 class DigestRing:
     """FTAR's stand-in in a replay: a ring of this rank alone (the average is the
-    input, left as it is) that hashes each reduction handed to it, in order."""
+    input, left as it is) that hashes each reduction handed to it, in order. A
+    device tensor arrives staged in host memory, as FTAR gets it (``config`` sizes
+    the staging); its combiner has nothing to add back."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: FtarConfig | None = None) -> None:
+        self.config = config or FtarConfig()
         self._hash = hashlib.sha256()
         self.reductions = 0
 
@@ -79,6 +84,8 @@ class DigestRing:
                     step: int | None, combiner: Any = None) -> int:
         self._hash.update(np.ascontiguousarray(flat).view(np.uint8).data)
         self.reductions += 1
+        if combiner is not None:
+            combiner.finish()
         return 1
 
     @property
@@ -120,7 +127,7 @@ class ReplayManager(Manager):
         loader_state = state.load(manifest, buffer)
         self._ledger = DataLedger.from_state(dict(loader_state), identity.num_replicas)
         self._next_step = spec.step + 1
-        self._ring = DigestRing()
+        self._ring = DigestRing(config.ftar)
         self._nonfinite = 0
         self._started = False
         self._exchanged = False
