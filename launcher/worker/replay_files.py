@@ -140,7 +140,7 @@ def save_captured(state_dir: Path, rank: int, manifest: Manifest, buffer: Bytes)
     """One rank's captured state: its bytes first, then the manifest that makes it
     count (a reader finds both or no manifest)."""
     manifest_path, data_path = state_files(state_dir, rank)
-    view = memoryview(buffer)[:manifest.total_bytes]
+    view = buffer.reshape(-1).data[:manifest.total_bytes]
     atomic_write_bytes(data_path, cast(bytes, view), durable=False)
     atomic_write_text(manifest_path, manifest.to_json(), durable=False)
 
