@@ -171,15 +171,14 @@ def _left(deadline: float) -> float:
 
 
 def group_result(spec: ReplaySpec, outcome: GroupOutcome) -> GroupResult:
-    """A group's digest (every rank's, in rank order), or why it has none."""
-    if not outcome.ok:
-        return GroupResult(outcome.label, None, outcome.detail
-                           or f"exited with {outcome.exit_code}")
+    """A group's digest (every rank's, in rank order), or why it has none. Every rank
+    that wrote its result had computed it: how the step ended after is no verdict."""
     try:
         results = [read_result(spec.result_file(outcome.label, rank))
                    for rank in range(spec.ranks)]
     except ReplayFileError as error:
-        return GroupResult(outcome.label, None, str(error))
+        why = outcome.detail or f"exited with {outcome.exit_code}"
+        return GroupResult(outcome.label, None, why if not outcome.ok else str(error))
     bad = [r for r in results if r.nonfinite]
     if bad:
         return GroupResult(outcome.label, None, "NaN/Inf on " + ", ".join(

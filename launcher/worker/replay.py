@@ -16,9 +16,12 @@ its nodes does (``launcher.sdc_replay``). ``ft_manager`` then returns a
   (``DigestRing``: a ring of this rank alone, whose average is its input), and a
   NaN/Inf in it counted, not raised;
 * ``commit`` writes ``results/<group>/rank-K.json`` (atomically), waits for the
-  group's other ranks and ends the process with exit status 0 (``ReplayFinished``):
-  nothing is committed, snapshotted or written to the replica's event file, so
-  the controller cannot mistake a replay for training.
+  group's other ranks and ends the process at once with exit status 0: nothing
+  is committed, snapshotted or written to the replica's event file, so the
+  controller cannot mistake a replay for training, and nothing of the script
+  after its commit runs. (At once: a torch process that leaves by the
+  interpreter's exit tears its process groups down while its peers do too, and
+  may abort there, failing the step for nothing.)
 
 Same state, same batch, same world layout: healthy CPU nodes compute the same
 bits (gloo's reductions are deterministic), so a group whose digests differ from
@@ -32,9 +35,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -59,14 +63,6 @@ from .replay_files import (
 from .replica_group import ReplicaGroup, SoloGroup
 
 log = logging.getLogger(__name__)
-
-
-class ReplayFinished(SystemExit):
-    """The replayed step is digested: the process ends with status 0. A ``SystemExit``,
-    so a script's ``except Exception`` lets it through and its ``finally`` runs."""
-
-    def __init__(self) -> None:
-        super().__init__(0)
 
 
 class DigestRing:
@@ -182,7 +178,7 @@ class ReplayManager(Manager):
                  self._nonfinite, loss)
         # none leaves while another still reads from it
         self._group.all_true(True)
-        raise ReplayFinished
+        end_process()
 
     def close(self) -> None:
         return None     # nothing was started
@@ -198,3 +194,11 @@ def replay_manager(config: Config, identity: WorkerIdentity, state: TrainState,
                          hint="replays are started by ft-launch run, which sets both")
     return ReplayManager(config, identity, state, batch_size, read_spec(spec_path), label,
                          group=group)
+
+
+def end_process() -> NoReturn:
+    """Exit status 0 now, the logs flushed, no interpreter teardown (module doc)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -27,7 +27,7 @@ from tests.waiting import patience, wait_until
 SECRET = new_job_secret()
 STEP = 41
 #: Stands in for srun: each task of the group writes its result as a replay rank
-#: would, NaN/Inf on every rank of a group that holds n5.
+#: would, NaN/Inf on every rank of a group that holds n5; row0's step then fails.
 FAKE_SRUN = """#!{python}
 import json, os, pathlib
 env = os.environ
@@ -42,6 +42,8 @@ for rank in range(spec["ranks"]):
     out.write_text(json.dumps({{"group": label, "rank": rank, "node": nodes[rank],
                                "step": spec["step"] + 1, "digest": str(rank) * 64,
                                "nonfinite": 3 if "n5" in nodes else 0, "reductions": 2}}))
+if label == "row0":     # a task that aborts once its result is written: no verdict
+    raise SystemExit(134)
 """
 
 
