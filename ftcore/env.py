@@ -24,5 +24,6 @@ ENV_INCARNATION = WORKER_PREFIX + "INCARNATION"    # tells apart relaunches of a
 ENV_HEARTBEAT = WORKER_PREFIX + "HEARTBEAT"        # the controller's heartbeat file
 ENV_INJECT = WORKER_PREFIX + "INJECT"              # faults to inject (drills, tests)
 ENV_ROLLBACKS = WORKER_PREFIX + "ROLLBACKS"        # the run's rollbacks so far (spike steps)
+ENV_REPLAY = WORKER_PREFIX + "REPLAY"              # replay one step (the spec file), no training
 ENV_REPLAY_GROUP = WORKER_PREFIX + "REPLAY_GROUP"  # a replay job's group (row2, col0)
 ENV_REPLAY_NODES = WORKER_PREFIX + "REPLAY_NODES"  # and its nodes, comma-separated

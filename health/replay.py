@@ -7,6 +7,10 @@ pipelines of the original layout. Phase 1 reruns a reduced job (same TP and PP,
 smaller DP) on every row, phase 2 on every column; a machine in a failing row
 and a failing column is the faulty one. With one faulty machine (the usual
 case of silent data corruption) exactly one row and one column fail.
+
+Whether a group failed is judged against a reference (``judge``): the groups of
+healthy machines only, which must agree among themselves. A group fails when it
+did not finish, held NaN/Inf, or computed other bits than the reference.
 """
 
 from __future__ import annotations
@@ -86,3 +90,45 @@ def locate(grid: ReplayGrid, failed_rows: Iterable[int],
                                 {n for c in columns for n in grid.columns[c]}))
     status = ReplayStatus.FOUND if len(suspects) == 1 else ReplayStatus.AMBIGUOUS
     return ReplayVerdict(status, suspects, rows, columns)
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """What one group of a replay computed: ``digest`` None when it did not finish or
+    held NaN/Inf (``detail`` says which)."""
+
+    label: str
+    digest: str | None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Judgement:
+    verdict: ReplayVerdict | None       # None: no reference to judge by (``error``)
+    reference: str | None
+    failed: tuple[GroupResult, ...]     # the groups that failed, each with why
+    error: str = ""
+
+
+def judge(grid: ReplayGrid, rows: Sequence[GroupResult], columns: Sequence[GroupResult],
+          reference_columns: Sequence[int]) -> Judgement:
+    """Each group against the reference columns (healthy machines only), then
+    ``locate``. References that failed or disagree judge nothing."""
+    if len(rows) != len(grid.rows) or len(columns) != len(grid.columns):
+        raise UsageError(f"{len(rows)} row and {len(columns)} column results for a "
+                         f"{len(grid.rows)} x {len(grid.columns)} grid")
+    references = [columns[c] for c in reference_columns]
+    if not references:
+        return Judgement(None, None, (), "no reference column of healthy machines")
+    broken = tuple(r for r in references if r.digest is None)
+    if broken:
+        return Judgement(None, None, broken, "the reference group failed: " +
+                         "; ".join(f"{r.label}: {r.detail}" for r in broken))
+    if len({r.digest for r in references}) > 1:
+        return Judgement(None, None, (), "the reference groups disagree: "
+                         + ", ".join(f"{r.label} {r.digest}" for r in references))
+    reference = references[0].digest
+    failed_rows = [i for i, r in enumerate(rows) if r.digest != reference]
+    failed_columns = [j for j, r in enumerate(columns) if r.digest != reference]
+    failed = tuple(r for r in (*rows, *columns) if r.digest != reference)
+    return Judgement(locate(grid, failed_rows, failed_columns), reference, failed)

@@ -56,6 +56,33 @@ class LossSpiked(Event):
 
 
 @dataclass(frozen=True)
+class SdcReplayOrdered(Event):
+    """A multi-node replica kept computing NaN/Inf: cancelled, and replayed on its nodes
+    and healthy references to find which node computes them (``replay_rule``)."""
+
+    replica_id: int
+    suspects: list[str]
+    references: list[str]
+    steps: int                  # the NaN/Inf steps that led to it
+    reason: str
+
+
+@dataclass(frozen=True)
+class SdcReplayReported(Event):
+    """A dual-phase replay's verdict (``sdc_replay``)."""
+
+    replica_id: int
+    status: str                 # found | not_reproduced | ambiguous | failed
+    suspects: list[str]         # the node found (or the candidates)
+    failed_rows: list[int]
+    failed_columns: list[int]
+    step: int | None            # the step replayed (None: it never ran)
+    summary: str
+    report: str                 # path of the readable report ("" when none was written)
+    duration_s: float
+
+
+@dataclass(frozen=True)
 class StandbyPromoted(Event):
     replica_id: int
     node: str

@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ftcore.config import Config, SlowPolicy
+from ftcore.config import Config, SlowPolicy, StandbyMode
 from ftcore.errors import ExitCode
 from ftcore.events import Event as Record
 
 from . import recovery as rc
 from . import rollback as rb
+from . import replay_rule as rr
 from . import versions as cv
 from .events import FailSlowDetected, NodeFaultDetected
 from .run_state import ReplicaProgressed, ReplicaState, RunState
@@ -50,6 +51,10 @@ class Policy:
     slow_policy: SlowPolicy = SlowPolicy.EVICT   # a fail-slow replica's nodes are evicted
     member_timeout: float = 3.0     # quorum.member_timeout: a lost member was silent this long
     spikes: rb.SpikeRules = field(default_factory=rb.SpikeRules)   # a loss spike: rollback
+    sdc_replay: bool = True         # a multi-node replica's NaN/Inf node found by replay
+    replay_timeout: float = 300.0   # the shell's bound on a replay
+    #: standbys can host replay steps (in the allocation, not in a reservation's jobs)
+    replay_on_standby: bool = True
 
     @classmethod
     def from_config(cls, whole: Config) -> Policy:
@@ -61,7 +66,9 @@ class Policy:
                    diagnosis_timeout=config.diagnosis_timeout,
                    slow_policy=config.slow_policy,
                    member_timeout=whole.quorum.member_timeout,
-                   spikes=rb.SpikeRules.from_config(whole))
+                   spikes=rb.SpikeRules.from_config(whole),
+                   sdc_replay=config.sdc_replay, replay_timeout=config.replay_timeout,
+                   replay_on_standby=whole.job.standby_mode is StandbyMode.IN_ALLOCATION)
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,8 @@ class ControllerState:
     diagnosing: tuple[HangWatch, ...] = ()
     #: the spiking step of every rollback so far (``rollback``): every launch carries them
     rolled_back: tuple[int, ...] = ()
+    #: multi-node replicas' NaN/Inf steps, and their replays (``replay_rule``)
+    replays: rr.ReplayBook = field(default_factory=rr.ReplayBook)
 
     @classmethod
     def initial(cls, run: RunState, policy: Policy | None = None) -> ControllerState:
@@ -229,7 +238,8 @@ class Tick:
 
 Event = (RunStarted | ProcessStarted | StepsCommitted | StepExited | StandbyAgentExited
          | NodesReported | InspectionAlarmed | GradientsNonFinite | QuorumLostMembers
-         | HangDiagnosed | ReplicaSlowed | rb.LossSpikeFound | cv.UpdateRequested
+         | HangDiagnosed | ReplicaSlowed | rb.LossSpikeFound | rr.ReplayLocated
+         | cv.UpdateRequested
          | rc.StandbyAdded | Tick)
 
 
@@ -263,7 +273,7 @@ class DiagnoseHang:
 
 
 #: What the shell carries out; each says why.
-Order = rc.Action | StartReplica | FinishRun | DiagnoseHang
+Order = rc.Action | StartReplica | FinishRun | DiagnoseHang | rr.RunReplay
 #: Records (``ftcore.events.Event``) are in the list too: the shell writes them to its log.
 Action = Order | Record
 
@@ -302,7 +312,11 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
                   for node, reason in event.unhealthy if node in watched]
         return _faults(state, faults, now, "Slurm reports node states")
     if isinstance(event, GradientsNonFinite):
+        if rr.applies(state.policy.sdc_replay, state.run, event.replica_id):
+            return _replayed(state, _replay_nonfinite(state, event, now), now)
         return _nonfinite(state, event, now)
+    if isinstance(event, rr.ReplayLocated):
+        return _replayed(state, rr.on_located(state.replays, event), now)
     if isinstance(event, QuorumLostMembers):
         return _quorum_lost(state, event)
     if isinstance(event, ReplicaSlowed):
@@ -327,7 +341,33 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
         # new standby while it carries out a promotion).
         run, added = rc.decide(state.run, event, state.policy.recovery)
         return Decision(replace(state, run=run), list(added), f"standby {event.node} added")
+    overdue = rr.on_tick(state.replays, now.elapsed, state.policy.replay_timeout)
+    if overdue is not None:
+        return _replayed(state, overdue, now)
     return _ticked(state, now)
+
+
+def _replay_nonfinite(state: ControllerState, event: GradientsNonFinite, now: Now
+                      ) -> rr.ReplayDecision:
+    watch = state.watch[event.replica_id]
+    training = [r.replica_id for r in state.run.replicas if _training(state, r.replica_id)]
+    return rr.on_nonfinite(state.replays, state.run, event.replica_id,
+                           watch.live and not watch.awaiting_start, training,
+                           state.policy.nonfinite_limit, now.elapsed,
+                           state.policy.replay_on_standby)
+
+
+def _replayed(state: ControllerState, decision: rr.ReplayDecision, now: Now) -> Decision:
+    """What the replay rule decided: a replay (the replica cancelled first), or its
+    nodes to evict (one failure of it, as a hang's)."""
+    state, replica_id = replace(state, replays=decision.book), decision.replica_id
+    actions: list[Action] = [decision.record] if decision.record is not None else []
+    if decision.replay is not None:
+        actions += [rc.CancelReplica(replica_id, decision.reason), decision.replay]
+    if decision.evict:
+        state, evicted = _hang_faults(state, replica_id, decision.evict, decision.reason, now)
+        actions += evicted
+    return _finish(state, actions, now, decision.reason)
 
 
 def _nonfinite(state: ControllerState, event: GradientsNonFinite, now: Now) -> Decision:

@@ -9,7 +9,9 @@ Watching (each observation is one ``lifecycle`` event):
 * progress comes from the replicas' own event files (``events/``);
 * Slurm's node states, inspection alarms, update requests, and time (``Tick``);
 * the hang diagnoses it runs in the background (``HangDiagnosed``: see
-  ``launcher.diagnosis``), so a stalled replica's stacks never hold up the loop.
+  ``launcher.diagnosis``), so a stalled replica's stacks never hold up the loop;
+* the dual-phase replays it runs in the background too (``ReplayLocated``: see
+  ``launcher.sdc_replay``).
 
 Every action is logged with its reason (``ActionTaken``); every drain reason goes
 through ``health.drain``'s one sanitiser.
@@ -56,7 +58,9 @@ from .inspection import NodeInspection
 from .plan import LaunchPlan, replica_step_spec
 from .pool import ReservationPool
 from .quorum.events import MembersLivenessChanged
+from .replay_rule import RunReplay
 from .run_state import RunState
+from .sdc_replay import ReplaySetup, SdcReplays
 from .standby import activate, unhealthy_file
 from .worker.events import StepCommitted, StepDiscarded, WorkerStarted
 from .worker.identity import ENV_REPLICA_ID, ENV_SECRET, replica_world_env
@@ -115,6 +119,10 @@ class Supervisor:
         self._launches: dict[int, int] = {}   # replica -> launches so far
         self._diagnoses: dict[int, HangDiagnosis] = {}   # replica -> its running diagnosis
         self._diagnosis_count = 0
+        self.replays = SdcReplays(ReplaySetup(
+            slurm, run_dir, plan.job_id or "", worker_env[ENV_SECRET], worker_env,
+            len(plan.replicas), plan.tasks_per_node, config.recovery.replay_timeout,
+            config.ckpt.fetch_timeout, config.ckpt.fetch_streams, config.slurm.srun_extra_args))
         recovery = config.recovery
         self.pace = (PeerSlowdownDetector(recovery.slow_factor, recovery.slow_window)
                      if recovery.slow_policy is not SlowPolicy.OFF else None)
@@ -211,6 +219,7 @@ class Supervisor:
                          for node, reason in self.inspection.alarms()]
         observed += self._update_requests()
         observed += self._diagnosed()
+        observed += self._replayed()
         for event in [*observed, lc.Tick()]:
             code = self.decide(event)
             if code is not None:
@@ -366,6 +375,8 @@ class Supervisor:
             return ExitCode.OK
         elif isinstance(action, lc.DiagnoseHang):
             self._diagnose(action)
+        elif isinstance(action, RunReplay):
+            self.replays.start(action)
         return None
 
     # ------------------------------------------------------------------ hang diagnosis
@@ -395,6 +406,13 @@ class Supervisor:
             self.events.emit(outcome.record())
             found.append(lc.HangDiagnosed(rid, outcome.suspects, outcome.summary,
                                           outcome.report, outcome.error))
+        return found
+
+    def _replayed(self) -> list[lc.Event]:
+        found: list[lc.Event] = []
+        for outcome in self.replays.finished():
+            self.events.emit(outcome.record())
+            found.append(outcome.located())
         return found
 
     def _record(self, action: lc.Order) -> None:
@@ -480,6 +498,7 @@ class Supervisor:
     def stop_all(self) -> None:
         for diagnosis in self._diagnoses.values():
             diagnosis.cancel()
+        self.replays.cancel_all()
         for replica_id in list(self.replicas):
             self._cancel_replica(replica_id)
         for node in list(self.standbys):

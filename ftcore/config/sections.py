@@ -204,6 +204,14 @@ class RecoveryConfig(_Section):
     hang_diagnosis: bool = True
     #: how long taking those stacks may last; past it, every node of the replica goes
     diagnosis_timeout: float = _seconds(30.0)
+    #: a replica of several nodes whose gradients keep holding NaN/Inf names all its
+    #: nodes (they mix their gradients): it is cancelled and the step replayed on them
+    #: and healthy nodes in two phases (rows, columns), which names the one that
+    #: computes them; off: every node it names is evicted (nonfinite_limit)
+    sdc_replay: bool = True
+    #: how long capturing a healthy state and both phases may last; past it, every
+    #: node of the replica goes
+    replay_timeout: float = _seconds(300.0)
     #: fail-slow: replicas train in lockstep, so a slow one slows every step; each
     #: replica's own time (its step minus what it waited for the others) is compared.
     #: One whose median over slow_window committed steps stays above slow_factor x the

@@ -31,6 +31,8 @@ from ..events import (
     ReplicaExited,
     ReplicaLaunched,
     RunFinished,
+    SdcReplayOrdered,
+    SdcReplayReported,
     StandbyPromoted,
 )
 from ..versions import CodeRolledBack, CodeUpdateRequested, CodeVersionApplied
@@ -71,6 +73,8 @@ class RunStatus:
     finished: RunFinished | None
     #: the latest hang diagnoses, oldest first (they stay listed after ``recent`` moved on)
     diagnoses: tuple[HangDiagnosisReported, ...] = ()
+    #: the latest dual-phase replays' verdicts, oldest first (listed like the diagnoses)
+    replays: tuple[SdcReplayReported, ...] = ()
 
     @property
     def leading_step(self) -> int:
@@ -113,9 +117,10 @@ def run_status(run_dir: Path, control: Sequence[Event],
             steps_per_s(committed.get(replica_id, ()), now)))
     started = next((e.time for e in control if isinstance(e, RunStarted)), None)
     diagnoses = [e for e in control if isinstance(e, HangDiagnosisReported)]
+    replays = [e for e in control if isinstance(e, SdcReplayReported)]
     return RunStatus(run_dir, started, now, tuple(rows), standby,
                      tuple(control[-recent:]) if recent > 0 else (), finished,
-                     tuple(diagnoses[-SHOWN_DIAGNOSES:]))
+                     tuple(diagnoses[-SHOWN_DIAGNOSES:]), tuple(replays[-SHOWN_DIAGNOSES:]))
 
 
 def steps_per_s(commits: Sequence[StepCommitted], now: float,
@@ -174,6 +179,14 @@ def describe_event(event: Event) -> str:
         case HangDiagnosisReported():
             return f"replica {event.replica_id} hung: {event.summary} -> evict " \
                    f"{_nodes(event.suspects)}"
+        case SdcReplayOrdered():
+            return f"replica {event.replica_id} replayed on {_nodes(event.suspects)} + " \
+                   f"{_nodes(event.references)}: NaN/Inf in {event.steps} steps"
+        case SdcReplayReported():
+            found = f"{_nodes(event.suspects)} computes NaN/Inf" \
+                if event.status == "found" else f"{event.status}: {event.summary}"
+            return f"replica {event.replica_id} replay {found} (step {event.step}, " \
+                   f"{event.duration_s:.1f} s)"
     fields = {k: _short(value) for k, value in asdict(event).items() if k != "time"}
     return f"{type(event).__name__} " + " ".join(f"{k}={value}" for k, value in fields.items())
 
@@ -220,6 +233,11 @@ def status_text(status: RunStatus) -> str:
         for report in status.diagnoses:
             lines.append(f"  {event_line(report, status.started)}")
             lines.append(f"  {'':>9}  report: {report.report or '(none written)'}")
+    if status.replays:
+        lines.append("sdc replays:")
+        for verdict in status.replays:
+            lines.append(f"  {event_line(verdict, status.started)}")
+            lines.append(f"  {'':>9}  report: {verdict.report or '(none written)'}")
     lines.append("recent events:")
     lines += [f"  {event_line(e, status.started)}" for e in status.recent]
     return "\n".join(lines) + "\n"

@@ -18,6 +18,12 @@ it again, even where the step comes again (a rollback, a restart from a
 checkpoint). ``STEP+`` fires at that step and every one after (a broken GPU), and a
 last ``@NODE`` limits it to the workers on that node: ``nan@gradients:30+@n3``
 corrupts whatever trains on n3 from step 30 on, and stops once n3 is replaced.
+
+A node's own silent data corruption comes from the simulated GPU backend instead
+(``health.simulation``: ``{"sdc": true}`` in the node's fault file, switched on and
+off while the run goes on): ``node_sdc_probe`` says whether it is on, and
+``torch_hooks.corrupt_gradients_while`` flips a bit of the gradient backward starts
+from on that node, in training and in a replay alike (the node is bad, not the step).
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftcore.config import HealthConfig
 from ftcore.env import ENV_INJECT
-from ftcore.errors import UsageError
+from ftcore.errors import ConfigError, UsageError
 
 log = logging.getLogger(__name__)
 #: what ``spike@loss`` multiplies a step's loss and gradients by: far above any
@@ -160,3 +168,25 @@ def injected_deadlock() -> None:
     lock = threading.Lock()
     lock.acquire()
     lock.acquire()
+
+
+def node_sdc_probe(health: HealthConfig, node: str) -> Callable[[], bool] | None:
+    """On the simulated GPU backend with a fault directory (tests, the lab cluster):
+    a check of whether ``node``'s fault file says it corrupts data now (one read of a
+    small file, or of none, per step). None elsewhere: real GPUs are not simulated."""
+    if health.backend != "simulated" or not health.sim_fault_dir:
+        return None
+    from health.simulation import SimulatedNvml, fault_file
+
+    backend = SimulatedNvml(0, fault_file(health.sim_fault_dir, node))
+    complained: list[str] = []
+
+    def corrupting() -> bool:
+        try:
+            return backend.faults().sdc
+        except ConfigError as error:     # a fault file being edited, or a typo in it
+            if str(error) not in complained:
+                complained.append(str(error))
+                log.warning("fault file of %s ignored: %s", node, error)
+            return False
+    return corrupting

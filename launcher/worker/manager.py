@@ -80,6 +80,7 @@ from .protocol import (
     decode_endpoints,
     plan_step,
 )
+from .replay_files import publish_state_servers
 from .replica_group import ReplicaGroup, SoloGroup
 from .rollbacks import HISTORY_KEY, Rollbacks, history_of
 
@@ -169,6 +170,9 @@ class Manager:
         self._endpoints = ReplicaEndpoints(tuple(tuple(g[0]) for g in gathered),   # type: ignore[misc]
                                           tuple(tuple(g[1]) for g in gathered),   # type: ignore[misc]
                                           self._rollbacks.history)
+        if identity.rank == 0:   # where a replay captures this replica's state (replay_files)
+            publish_state_servers(run_dir, identity.replica_id, identity.job_id,
+                                  self._endpoints.state)
         # before the quorum agent starts: its callbacks read the step's plan
         self._quorum_id: int | None = None
         self._work = StepWork()

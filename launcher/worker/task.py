@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from ftcore.env import ENV_REPLAY
 from ftcore.errors import UsageError
 
 from .identity import WorkerIdentity, task_world_env
@@ -23,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("usage: python -m launcher.worker.task -- COMMAND [ARGS...]\n")
         return 2
     env = {**os.environ, **task_world_env(os.environ)}
-    announce_pid(env)
+    if not env.get(ENV_REPLAY):   # a replay is not its replica's process (worker.replay)
+        announce_pid(env)
     try:
         os.execvpe(args[0], args, env)
     except OSError as error:

@@ -41,9 +41,11 @@ from ckpt.torch_state import TorchStateSource, is_sharded, load_train_state, loc
 from ftcore.config import Config, load_config
 from ftcore.errors import UsageError
 
+from .faults import node_sdc_probe
 from .identity import ENV_CONFIG, ENV_INCARNATION, WorkerIdentity
 from .manager import Manager, Reduction
-from .torch_hooks import DdpExchange, FsdpExchange, reduce_gradient
+from .replay import replay_manager, replay_requested
+from .torch_hooks import DdpExchange, FsdpExchange, corrupt_gradients_while, reduce_gradient
 
 __all__ = ["FtOptimizer", "Manager", "TorchReplicaGroup", "TorchTrainState", "ft_manager"]
 
@@ -271,13 +273,20 @@ def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_s
 
     ``model``: after ``fully_shard`` (FSDP2), a ``DistributedDataParallel``, or a
     plain module; ``batch_size`` is the replica's batch (all its ranks together).
-    A replica of several ranks uses the script's process group, or starts one."""
+    A replica of several ranks uses the script's process group, or starts one.
+    Started for a replay (``FTL_WORKER_REPLAY``), it returns a ``ReplayManager``: the
+    same loop then replays one recorded step and ends the process (``replay``)."""
     if config is None:
         config = load_config(os.environ.get(ENV_CONFIG) or None)
     identity = identity or WorkerIdentity.from_env()
     group = (TorchReplicaGroup(identity) if identity.ranks > 1 or dist.is_initialized()
              else None)
     state = TorchTrainState(model, optimizer, group)
-    manager = Manager(config, identity, state, batch_size, group=group)
+    corrupting = node_sdc_probe(config.health, identity.node)
+    if corrupting is not None:
+        corrupt_gradients_while(model, corrupting)
+    replay = replay_requested()
+    manager = (Manager(config, identity, state, batch_size, group=group) if replay is None
+               else replay_manager(config, identity, state, batch_size, replay, group))
     state.install_hooks(manager)
     return manager

@@ -16,6 +16,8 @@ every member the same bytes, so every replica in the quorum finds the same
 non-finite average, discards the step and retries it: a NaN from one replica (bad
 hardware, silent data corruption) never reaches any replica's weights. One that
 comes back step after step uses up ``runtime.max_consecutive_failures``.
+(``corrupt_gradients_while`` makes such a node for tests: a bit of the loss
+gradient flips on it, before anything is reduced.)
 
 FSDP lays each parameter's gradient out as a view into the hook's buffer when
 the reduce dtype is the parameter's dtype; then the reduced values land in the
@@ -92,6 +94,31 @@ def reduce_gradient(reduction: Reduction, tensor: torch.Tensor) -> None:
             f"({'this rank' if not own_finite else 'another replica'} contributed them); "
             "every replica discards the step and retries it", own=not own_finite,
             values=own_bad)
+
+
+#: The integer view and the top exponent bit of each float format: flipped in 1.0 (the
+#: gradient of a loss, where backward starts) it gives +Inf in every one of them.
+_TOP_EXPONENT_BIT = {torch.float32: (torch.int32, 1 << 30), torch.bfloat16: (torch.int16, 1 << 14),
+                     torch.float16: (torch.int16, 1 << 14)}
+
+
+def corrupt_gradients_while(model: torch.nn.Module, corrupting: Callable[[], bool]) -> None:
+    """Silent data corruption on this node (``faults.node_sdc_probe``): while
+    ``corrupting()``, one bit of the gradient of the model's output flips before
+    backward goes on from it, so this rank's every local gradient is off before
+    FSDP's reduce-scatter (or DDP's all-reduce) mixes it into every rank's shard."""
+    def on_output(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if (isinstance(output, torch.Tensor) and output.requires_grad
+                and output.dtype in _TOP_EXPONENT_BIT and corrupting()):
+            output.register_hook(_flip_top_exponent_bit)
+    model.register_forward_hook(on_output)
+
+
+def _flip_top_exponent_bit(grad: torch.Tensor) -> torch.Tensor:
+    flipped = grad.clone()
+    kind, bit = _TOP_EXPONENT_BIT[grad.dtype]
+    flipped.view(-1)[:1].view(kind).bitwise_xor_(bit)
+    return flipped
 
 
 def _norm(tensor: torch.Tensor) -> float:

@@ -203,3 +203,25 @@ def test_a_hang_diagnosis_stays_listed_with_its_report(live_run: Path,
     assert f"report: {report}" in head and "hung" not in recent
     assert cli.main(["status", str(live_run)]) == 0
     assert f"report: {report}" in capsys.readouterr().out
+
+
+def test_a_replay_verdict_stays_listed_with_its_report(live_run: Path) -> None:
+    """A dual-phase replay's verdict is listed with its report, as a diagnosis is."""
+    from launcher.events import SdcReplayOrdered, SdcReplayReported
+    report = live_run / "replay" / "replica-1-1" / "report.txt"
+    with EventLog(live_run / "controller.jsonl") as log:
+        log.emit(SdcReplayOrdered(replica_id=1, suspects=["n4", "n5"],
+                                  references=["n1", "n6"], steps=3, reason="x",
+                                  time=T0 + 50.0))
+        log.emit(SdcReplayReported(replica_id=1, status="found", suspects=["n5"],
+                                   failed_rows=[1], failed_columns=[0], step=41,
+                                   summary="replay found", report=str(report),
+                                   duration_s=21.5, time=T0 + 72.0))
+        for t in range(8):
+            log.emit(ActionTaken(action="EvictNode", replica_id=1, node="n5", reason="x",
+                                 time=T0 + 73.0 + t))
+    text = status_text(StatusReader(live_run, recent=3).read(T0 + 90.0))
+    head, _, recent = text.partition("recent events:")
+    assert "sdc replays:" in head and f"report: {report}" in head
+    assert "+72.0s  replica 1 replay n5 computes NaN/Inf (step 41, 21.5 s)" in head
+    assert "replay" not in recent
