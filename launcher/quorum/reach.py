@@ -77,13 +77,13 @@ def choose_address(routes: Sequence[Route]) -> Reach:
     if not remote:
         local = next((r.source for r in routes if r.source), "127.0.0.1")
         return Reach(local, "every node is this host")
-    counts = Counter(r.source for r in remote)
-    address, reached = counts.most_common(1)[0]
+    address, reached = Counter(r.source for r in remote).most_common(1)[0]
     assert address is not None
-    spread = "" if reached == len(remote) else \
+    example = next(r for r in remote if r.source == address)
+    note = "" if reached == len(remote) else \
         f" ({reached} of {len(remote)} probed nodes by this route, the others by others)"
-    return Reach(address, f"the source of this host's route to node {remote[0].node} "
-                          f"({remote[0].peer}){spread}")
+    return Reach(address, f"the source of this host's route to node {example.node} "
+                          f"({example.peer}){note}")
 
 
 def _others(nodes: Sequence[str]) -> str:
