@@ -19,7 +19,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ftcore.config import Config, load_config, save_config
-from ftcore.errors import ConfigError, ExitCode, FtError, TerminalAbort, UsageError
+from ftcore.errors import (
+    ConfigError,
+    ExitCode,
+    FtError,
+    SlurmCommandError,
+    TerminalAbort,
+    UsageError,
+)
 from ftcore.events import EventLog, RunStarted
 from ftcore.files import atomic_write_text
 from ftcore.ids import new_job_secret
@@ -28,9 +35,11 @@ from ftcore.slurm.allocation import Allocation, allocation_of_job
 from ftcore.slurm.client import SlurmCli
 from ftcore.slurm.hostlist import compress, expand
 
+from .events import ControllerWitnessChosen
 from .heartbeat import heartbeat_path
 from .plan import JOB_FLAGS, LaunchPlan, check_cpus, plan_allocation
-from .quorum.witness_service import WitnessJob, serve, witness_agent
+from .quorum.agent import QuorumAgent
+from .quorum.witness_service import WitnessJob, controller_witness, serve
 from .reporting.ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_size
 from .reporting.live import show, watch
 from .reporting.plots import render_timeline
@@ -299,22 +308,43 @@ def _run(args: argparse.Namespace, config: Config, slurm: SlurmCli) -> int:
                   ENV_CONFIG: str(config_path), ENV_HEARTBEAT: str(heartbeat_path(run_dir))}
     configure_logging(args.log_level, run_dir / "controller.log")
     log.info("run %s: %s", run_dir, render_plan(plan, config.slurm.srun_extra_args))
-    witness_job = WitnessJob(allocation.job_id, worker_env[ENV_SECRET], config.job.replicas)
-    witness_job.write(run_dir)
-    # The controller votes as witness 0 (quorum.controller_witness): with it one
-    # live replica trains on; losing it alone costs the replicas nothing.
-    witness = (witness_agent(run_dir, witness_job, 0, config.quorum, node_address())
-               if config.quorum.controller_witness else None)
-    try:
-        with EventLog(run_dir / "controller.jsonl") as events:
-            events.emit(RunStarted(job_id=allocation.job_id, replicas=config.job.replicas,
-                                   nodes=list(allocation.nodes)))
+    with EventLog(run_dir / "controller.jsonl") as events:
+        events.emit(RunStarted(job_id=allocation.job_id, replicas=config.job.replicas,
+                               nodes=list(allocation.nodes)))
+        witness = start_witness(run_dir, WitnessJob(allocation.job_id, worker_env[ENV_SECRET],
+                                                    config.job.replicas),
+                                config, slurm, allocation.nodes, events)
+        try:
             code = Supervisor(config, plan, slurm, run_dir, worker_env, events).run()
-    finally:
-        if witness is not None:
-            witness.stop()
+        finally:
+            if witness is not None:
+                witness.stop()
     write_run_report(run_dir)
     return code
+
+
+def start_witness(run_dir: Path, job: WitnessJob, config: Config, slurm: SlurmCli,
+                  nodes: tuple[str, ...], events: EventLog) -> QuorumAgent | None:
+    """The controller votes as witness 0 (quorum.controller_witness): with it one live
+    replica trains on; losing it alone costs the replicas nothing. It listens at the
+    address its route to the nodes leaves from; without one it does not vote (and no
+    replica counts it), which is logged, recorded and shown by ft-launch status."""
+    try:
+        addresses = {n.name: n.address for n in slurm.nodes(nodes)}
+    except SlurmCommandError as error:     # the node names are tried instead
+        log.warning("no node addresses from Slurm (%s); resolving the node names", error)
+        addresses = {}
+    agent, reach = controller_witness(run_dir, job, config.quorum,
+                                      [(n, addresses.get(n) or n) for n in nodes])
+    if agent is not None:
+        log.info("the controller votes as witness 0 at %s: %s", agent.address, reach.reason)
+    elif config.quorum.controller_witness:
+        log.warning("the controller does NOT vote as witness 0: %s. The replicas train on "
+                    "only while a majority of them is live; make the nodes reachable from "
+                    "this host, or run 'ft-launch witness' elsewhere", reach.reason)
+    events.emit(ControllerWitnessChosen(voting=agent is not None, address=reach.address or "",
+                                        reason=reach.reason))
+    return agent
 
 
 def command_witness(args: argparse.Namespace, config: Config) -> int:

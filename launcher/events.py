@@ -115,6 +115,16 @@ class ActionTaken(Event):
 
 
 @dataclass(frozen=True)
+class ControllerWitnessChosen(Event):
+    """Whether the controller votes as witness 0, at which address, and why: the
+    replicas count it only if it does (``quorum.witness_service``)."""
+
+    voting: bool
+    address: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class RunFinished(Event):
     exit_code: int
     reason: str

@@ -97,11 +97,13 @@ class QuorumConfig(_Section):
     election_slot: float = _seconds(0.02, zero_ok=True)  # per-voter stretch of the spread
     peer_dir: str = ""               # shared directory of agent addresses ("": run dir)
     #: The controller (ft-launch run) votes as witness 0: with it, one live replica
-    #: trains on; without any witness, a majority of the replicas must be live. Off by
-    #: default for now: the witnesses hold replicas - 1 votes, so a witness the nodes
-    #: cannot reach (a login node whose hostname resolves to loopback) costs more than
-    #: it gives (two of three replicas stop), and its address is not yet checked.
-    controller_witness: bool = False
+    #: trains on; without any witness, a majority of the replicas must be live. It
+    #: listens at the source address of its route to the nodes (not its hostname's,
+    #: which on a login node may be loopback); with none that reaches every node it
+    #: does not vote and says so (controller.log, controller.jsonl, ft-launch status),
+    #: since the witnesses hold replicas - 1 votes and an unreachable one would cost
+    #: two of three replicas their majority.
+    controller_witness: bool = True
     #: More witnesses, each an ``ft-launch witness --index K`` (K = 1..witnesses) on a
     #: login or service node; the witnesses share replicas - 1 votes between them.
     witnesses: int = _count(0, 0, 64)

@@ -13,6 +13,12 @@ again, so that a restarted witness does not endorse the other side of a
 partition. An unreadable memory is treated as "a round I do not know": the
 witness endorses nothing until it is told of a round whose members alone are
 a majority (safe; the job may wait for that).
+
+Whether witness 0 votes is a fact of the run, not of its config: the controller
+writes it (``WitnessJob.controller``) once it has found an address the nodes can
+reach (``reach``) and started its witness, before any replica starts, and every
+voter of the job reads it from there (``run_witnesses``). A controller that found
+none does not vote, and no replica counts it.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import zmq
 
 from ftcore.config import QuorumConfig
 from ftcore.errors import ConfigError, UsageError
@@ -31,6 +40,7 @@ from ftcore.files import atomic_write_text
 from .agent import QuorumAgent
 from .directory import FileDirectory
 from .model import WITNESS_BASE
+from .reach import Reach, probe
 from .witness import Memory
 
 log = logging.getLogger(__name__)
@@ -82,20 +92,29 @@ class MemoryFile:
 
 def job_witnesses(config: QuorumConfig, *, controller: bool) -> tuple[int, ...]:
     """The witnesses' voter ids, the same on every voter of the job: the
-    controller's (index 0) when the job has a controller and
-    ``quorum.controller_witness`` is on, then ``quorum.witnesses`` more."""
-    first = [WITNESS_BASE] if controller and config.controller_witness else []
+    controller's (index 0) when it votes (``WitnessJob.controller``, never the
+    config alone), then ``quorum.witnesses`` more."""
+    first = [WITNESS_BASE] if controller else []
     return tuple(first + [WITNESS_BASE + k for k in range(1, config.witnesses + 1)])
+
+
+def run_witnesses(run_dir: Path, config: QuorumConfig, *, controlled: bool) -> tuple[int, ...]:
+    """The witnesses a replica of the run in ``run_dir`` counts. ``controlled``: an
+    ``ft-launch run`` started it; then the controller's witness file says whether
+    witness 0 votes (it was written before any replica started)."""
+    votes = controlled and WitnessJob.read(run_dir).controller
+    return job_witnesses(config, controller=votes)
 
 
 @dataclass(frozen=True)
 class WitnessJob:
-    """What a witness must know of its job."""
+    """What a witness must know of its job. ``controller``: the controller votes
+    as witness 0 (it started its witness at an address the nodes reach)."""
 
     job_id: str
     secret: str
     replicas: int
-    controller: bool = True
+    controller: bool = False
 
     def write(self, run_dir: Path) -> Path:
         path = run_dir / WITNESS_FILE
@@ -111,7 +130,7 @@ class WitnessJob:
         try:
             body = json.loads(path.read_text(encoding="utf-8"))
             return WitnessJob(str(body["job_id"]), str(body["secret"]), int(body["replicas"]),
-                              bool(body.get("controller", True)))
+                              body.get("controller") is True)
         except FileNotFoundError:
             raise UsageError(f"{path} does not exist",
                              hint="give the run directory of a running 'ft-launch run' "
@@ -137,6 +156,26 @@ def witness_agent(run_dir: Path, job: WitnessJob, index: int, config: QuorumConf
     return QuorumAgent(me, range(job.replicas), directory, job.secret, config,
                        job_id=job.job_id, host=host, electable=False,
                        witnesses=witnesses, memory=memory).start()
+
+
+def controller_witness(run_dir: Path, job: WitnessJob, config: QuorumConfig,
+                       nodes: Sequence[tuple[str, str]]) -> tuple[QuorumAgent | None, Reach]:
+    """Witness 0, started when ``quorum.controller_witness`` is on and an address
+    reaches the ``nodes`` (``(name, address)`` pairs), else None; and why. The
+    witness file says which, for every voter of the job."""
+    reach = probe(nodes) if config.controller_witness else \
+        Reach(None, "quorum.controller_witness = false")
+    agent = None
+    if reach.address is not None:
+        try:
+            agent = witness_agent(run_dir, replace(job, controller=True), 0, config,
+                                  reach.address)
+        except zmq.ZMQError as error:
+            reach = Reach(None, f"cannot listen at {reach.address} (quorum.port = "
+                                f"{config.port}): {error}")
+    # Written once the witness listens, or is known not to: a replica counts it only then.
+    replace(job, controller=agent is not None).write(run_dir)
+    return agent, reach
 
 
 def serve(run_dir: Path, index: int, config: QuorumConfig, host: str,

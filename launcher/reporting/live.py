@@ -23,7 +23,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from .status import RunStatus, StatusReader, event_line, status_text
+from .status import RunStatus, StatusReader, event_line, status_text, witness_text
 from .timeline import STATE_COLOURS, BandState
 
 REFRESH_INTERVAL = 1.0          # s between reads of the run directory
@@ -62,6 +62,9 @@ def status_view(status: RunStatus, total_steps: int | None = None) -> Renderable
     standby = Text.assemble(("standby  ", "bold"), "warm: ",
                             (", ".join(status.standby.warm) or "-", "cyan"), "   promoted: ",
                             (", ".join(status.standby.promoted) or "-", "magenta"))
+    if status.witness is not None:
+        standby.append(Text.assemble("\n", ("witness  ", "bold"), witness_text(status.witness),
+                                     style="" if status.witness.voting else "yellow"))
     events = [Text(event_line(e, status.started), "dim" if i < len(status.recent) - 1 else "",
                    no_wrap=True, overflow="ellipsis") for i, e in enumerate(status.recent)]
     return Panel(Group(table, Text(""), standby, Text(""), Text("events", "bold"), *events),

@@ -24,6 +24,7 @@ from launcher.worker.events import StepCommitted
 from ..diagnosis import HangDiagnosisReported
 from ..events import (
     ActionTaken,
+    ControllerWitnessChosen,
     FullRestartOrdered,
     LossSpiked,
     NodeDrainRequested,
@@ -75,6 +76,8 @@ class RunStatus:
     diagnoses: tuple[HangDiagnosisReported, ...] = ()
     #: the latest dual-phase replays' verdicts, oldest first (listed like the diagnoses)
     replays: tuple[SdcReplayReported, ...] = ()
+    #: whether the controller votes as witness 0 (None: the log does not say)
+    witness: ControllerWitnessChosen | None = None
 
     @property
     def leading_step(self) -> int:
@@ -118,9 +121,12 @@ def run_status(run_dir: Path, control: Sequence[Event],
     started = next((e.time for e in control if isinstance(e, RunStarted)), None)
     diagnoses = [e for e in control if isinstance(e, HangDiagnosisReported)]
     replays = [e for e in control if isinstance(e, SdcReplayReported)]
+    witness = next((e for e in reversed(control) if isinstance(e, ControllerWitnessChosen)),
+                   None)
     return RunStatus(run_dir, started, now, tuple(rows), standby,
                      tuple(control[-recent:]) if recent > 0 else (), finished,
-                     tuple(diagnoses[-SHOWN_DIAGNOSES:]), tuple(replays[-SHOWN_DIAGNOSES:]))
+                     tuple(diagnoses[-SHOWN_DIAGNOSES:]), tuple(replays[-SHOWN_DIAGNOSES:]),
+                     witness)
 
 
 def steps_per_s(commits: Sequence[StepCommitted], now: float,
@@ -157,6 +163,8 @@ def describe_event(event: Event) -> str:
                                                 for r, nodes in sorted(event.placements.items()))
         case RunFinished():
             return f"run finished, exit {event.exit_code}: {event.reason}"
+        case ControllerWitnessChosen():
+            return f"controller witness: {witness_text(event)}"
         case ActionTaken():
             subject = " ".join(part for part in (
                 f"replica {event.replica_id}" if event.replica_id is not None else "",
@@ -189,6 +197,11 @@ def describe_event(event: Event) -> str:
                    f"{event.duration_s:.1f} s)"
     fields = {k: _short(value) for k, value in asdict(event).items() if k != "time"}
     return f"{type(event).__name__} " + " ".join(f"{k}={value}" for k, value in fields.items())
+
+
+def witness_text(event: ControllerWitnessChosen) -> str:
+    """``votes at 10.0.0.1`` or ``NOT voting (why)``."""
+    return f"votes at {event.address}" if event.voting else f"NOT voting ({event.reason})"
 
 
 def short_command(argv: Sequence[str], width: int = COMMAND_WIDTH) -> str:
@@ -228,6 +241,8 @@ def status_text(status: RunStatus) -> str:
                      f"{r.contributors if r.contributors is not None else '-':>12}")
     lines.append(f"  standby warm: {', '.join(status.standby.warm) or '-'}"
                  f"   promoted: {', '.join(status.standby.promoted) or '-'}")
+    if status.witness is not None:
+        lines.append(f"  controller witness: {witness_text(status.witness)}")
     if status.diagnoses:
         lines.append("hang diagnoses:")
         for report in status.diagnoses:

@@ -50,7 +50,7 @@ from ftcore.slurm.client import SlurmCli
 from launcher.heartbeat import ControllerWatchThread
 from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent
 from launcher.quorum.events import Event as QuorumEvent
-from launcher.quorum.witness_service import job_witnesses
+from launcher.quorum.witness_service import run_witnesses
 
 from .audit import AuditLog
 from .controller_loss import ControllerLostNotice, end_allocation, saver_of, wait_job_ended
@@ -190,8 +190,9 @@ class Manager:
         self._agent: QuorumAgent | None = None
         if identity.rank == 0:
             directory = FileDirectory(run_dir / "peers", identity.secret, identity.job_id)
-            # The controller is a witness when there is one (it writes the heartbeat).
-            witnesses = job_witnesses(config.quorum, controller=identity.heartbeat is not None)
+            # Witness 0 counts only if the controller (it writes the heartbeat) says it votes.
+            witnesses = run_witnesses(run_dir, config.quorum,
+                                      controlled=identity.heartbeat is not None)
             self._agent = QuorumAgent(identity.replica_id, range(identity.num_replicas),
                                      directory, identity.secret, config.quorum,
                                      job_id=identity.job_id, host=identity.host,

@@ -462,6 +462,19 @@ def set_link(node: str, is_up: bool) -> None:
     run("ip", "-n", netns(node), "link", "set", "eth0", "up" if is_up else "down")
 
 
+@contextmanager
+def partition_node(node: str) -> Iterator[None]:
+    """``node`` cut off the network while the block runs: its link is down inside its
+    namespace, so no packet goes in or out while its processes run on (and still share
+    the machine's files, as nodes share a parallel file system). Healed afterwards,
+    even when the block fails."""
+    set_link(node, False)
+    try:
+        yield
+    finally:
+        set_link(node, True)
+
+
 # --------------------------------------------------------------------------- teardown
 
 
