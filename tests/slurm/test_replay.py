@@ -66,7 +66,10 @@ def replayed_run(slurm_cluster, simulated_gpus, tmp_path):
                "FTL_RECOVERY_REPLAY_TIMEOUT": str(REPLAY_TIMEOUT),
                "FTL_RUN_LOG_DIR": str(runs), **FAST_DETECTION,
                # replica 0 waits in the quorum while replica 1 is replayed (paced, ~1 s
-               # a try): its budget must outlast the replay
+               # a try): its budget must outlast the replay. With the controller's
+               # witness it would train on alone and finish before replica 1 is back,
+               # and the two replicas' final states could not be compared.
+               "FTL_QUORUM_CONTROLLER_WITNESS": "false",
                "FTL_RUNTIME_MAX_CONSECUTIVE_FAILURES": str(int(2 * REPLAY_TIMEOUT)),
                # relaunched cold (health gate, torch, FSDP2, catch-up) beside the others
                "FTL_RECOVERY_START_TIMEOUT": "90",
@@ -80,7 +83,7 @@ def replayed_run(slurm_cluster, simulated_gpus, tmp_path):
     run = Training(slurm_cluster, job_id, runs / job_id, tmp_path / "job.out", 2, STEPS,
                    ranks=2)
     try:
-        wait_until(lambda: slurm_cluster.job_state(job_id) != "PENDING", 600,
+        wait_until(lambda: slurm_cluster.job_state(job_id) not in ("PENDING", "UNANSWERED"), 600,
                    f"job {job_id} to start on the whole cluster")
         yield run, faults
     finally:
