@@ -24,7 +24,7 @@ from launcher.diagnosis import HangDiagnosisReported
 from launcher.events import ActionTaken, NodeFaultDetected
 from launcher.reporting.runlog import commits
 from launcher.worker.audit import check_exactly_once
-from tests.slurm.test_run import FAST_DETECTION, REPO, Training
+from tests.slurm.test_run import FAST_DETECTION, REPO, whole_cluster_job
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
@@ -50,20 +50,8 @@ def whole_cluster_run(slurm_cluster, tmp_path):
                # six ranks on this machine's cores: a leader late by a second is not lost
                # (that would evict a healthy replica, which is not what this test is about)
                "FTL_QUORUM_MEMBER_TIMEOUT": "6", "FTL_QUORUM_ELECTION_TIMEOUT": "3"}
-    job_id = slurm_cluster.sbatch(
-        REPO / "etc" / "examples" / "train.sbatch", f"--chdir={REPO}",
-        "--nodes=6", f"--nodelist={','.join(nodes[:6])}", f"--output={tmp_path}/job.out",
-        "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in exports.items())]))
-    run = Training(slurm_cluster, job_id, runs / job_id, tmp_path / "job.out", 3, STEPS)
-    try:
-        # other tests may hold nodes: pending is not a failure of the product
-        wait_until(lambda: slurm_cluster.job_state(job_id) not in ("PENDING", "UNANSWERED"), 600,
-                   f"job {job_id} to start on the whole cluster")
+    with whole_cluster_job(slurm_cluster, tmp_path, exports, 3, STEPS) as run:
         yield run, hung_node
-    finally:
-        slurm_cluster.cancel(job_id)
-        for node in nodes:
-            slurm_cluster.ensure_node_up(node)
 
 
 def test_a_deadlocked_rank_is_found_in_its_stacks_and_only_its_node_drained(

@@ -36,7 +36,7 @@ from launcher.events import (
 )
 from launcher.worker import events as worker_events
 from launcher.worker.audit import check_exactly_once
-from tests.slurm.test_run import FAST_DETECTION, REPO, Training, simulated_gpus
+from tests.slurm.test_run import FAST_DETECTION, REPO, simulated_gpus, whole_cluster_job
 
 __all__ = ["simulated_gpus"]    # a fixture of this module's tests too
 from tests.waiting import wait_until
@@ -52,8 +52,6 @@ REPLAY_TIMEOUT = 240.0
 def replayed_run(slurm_cluster, simulated_gpus, tmp_path):
     """Submit the example on all six nodes with simulated GPUs (their fault files in
     ``faults``); afterwards cancel it and heal the nodes."""
-    nodes = slurm_cluster.nodes
-    assert len(nodes) >= 6, nodes
     faults, config = simulated_gpus
     runs = tmp_path / "runs"
     exports = {"PYTHON": sys.executable, "STEPS": str(STEPS), "SIZE": "small",
@@ -76,20 +74,8 @@ def replayed_run(slurm_cluster, simulated_gpus, tmp_path):
                # four ranks and the replay's on this machine's cores: a leader late by a
                # second is not lost
                "FTL_QUORUM_MEMBER_TIMEOUT": "6", "FTL_QUORUM_ELECTION_TIMEOUT": "3"}
-    job_id = slurm_cluster.sbatch(
-        REPO / "etc" / "examples" / "train.sbatch", f"--chdir={REPO}",
-        "--nodes=6", f"--nodelist={','.join(nodes[:6])}", f"--output={tmp_path}/job.out",
-        "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in exports.items())]))
-    run = Training(slurm_cluster, job_id, runs / job_id, tmp_path / "job.out", 2, STEPS,
-                   ranks=2)
-    try:
-        wait_until(lambda: slurm_cluster.job_state(job_id) not in ("PENDING", "UNANSWERED"), 600,
-                   f"job {job_id} to start on the whole cluster")
+    with whole_cluster_job(slurm_cluster, tmp_path, exports, 2, STEPS, ranks=2) as run:
         yield run, faults
-    finally:
-        slurm_cluster.cancel(job_id)
-        for node in nodes:
-            slurm_cluster.ensure_node_up(node)
 
 
 def test_the_node_that_corrupts_gradients_is_found_by_replay_and_alone_drained(

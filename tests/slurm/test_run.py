@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,30 @@ FAST_DETECTION = {
     # survivors of a lost majority wait (paced, ~1 s a try) for the others to come back
     "FTL_RUNTIME_MAX_CONSECUTIVE_FAILURES": "60",
     "FTL_CKPT_PERSIST_EVERY": "100000"}
+
+
+@contextmanager
+def whole_cluster_job(cluster, tmp_path: Path, exports: dict[str, str], replicas: int,
+                      steps: int, ranks: int = 1) -> Iterator[Training]:
+    """``etc/examples/train.sbatch`` on all six nodes with ``exports``, once it started
+    (other tests may hold nodes: pending is not a failure of the product); afterwards
+    the job is cancelled and every node healed."""
+    nodes = cluster.nodes
+    assert len(nodes) >= 6, nodes
+    job_id = cluster.sbatch(
+        REPO / "etc" / "examples" / "train.sbatch", f"--chdir={REPO}",
+        "--nodes=6", f"--nodelist={','.join(nodes[:6])}", f"--output={tmp_path}/job.out",
+        "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in exports.items())]))
+    run = Training(cluster, job_id, Path(exports["FTL_RUN_LOG_DIR"]) / job_id,
+                   tmp_path / "job.out", replicas, steps, ranks=ranks)
+    try:
+        wait_until(lambda: cluster.job_state(job_id) not in ("PENDING", "UNANSWERED"), 600,
+                   f"job {job_id} to start on the whole cluster")
+        yield run
+    finally:
+        cluster.cancel(job_id)
+        for node in nodes:
+            cluster.ensure_node_up(node)
 
 
 @dataclass
