@@ -39,6 +39,7 @@ from .events import ControllerWitnessChosen
 from .heartbeat import heartbeat_path
 from .plan import JOB_FLAGS, LaunchPlan, check_cpus, plan_allocation
 from .quorum.agent import QuorumAgent
+from .quorum.reach import Reach, probe
 from .quorum.witness_service import WitnessJob, controller_witness, serve
 from .reporting.ettr import JobModel, RecoveryCost, poisson_failures, simulate, standby_size
 from .reporting.live import show, watch
@@ -54,7 +55,6 @@ from .worker.identity import (
     ENV_NUM_REPLICAS,
     ENV_RUN_DIR,
     ENV_SECRET,
-    node_address,
 )
 
 log = logging.getLogger(__name__)
@@ -311,11 +311,14 @@ def _run(args: argparse.Namespace, config: Config, slurm: SlurmCli) -> int:
     with EventLog(run_dir / "controller.jsonl") as events:
         events.emit(RunStarted(job_id=allocation.job_id, replicas=config.job.replicas,
                                nodes=list(allocation.nodes)))
+        targets = node_targets(slurm, allocation.nodes)
+        reach = probe(targets)
         witness = start_witness(run_dir, WitnessJob(allocation.job_id, worker_env[ENV_SECRET],
-                                                    config.job.replicas),
-                                config, slurm, allocation.nodes, events)
+                                                    config.job.replicas, nodes=targets),
+                                config, reach, events)
         try:
-            code = Supervisor(config, plan, slurm, run_dir, worker_env, events).run()
+            code = Supervisor(config, plan, slurm, run_dir, worker_env, events,
+                              listen_host=reach.address).run()
         finally:
             if witness is not None:
                 witness.stop()
@@ -323,19 +326,25 @@ def _run(args: argparse.Namespace, config: Config, slurm: SlurmCli) -> int:
     return code
 
 
-def start_witness(run_dir: Path, job: WitnessJob, config: Config, slurm: SlurmCli,
-                  nodes: tuple[str, ...], events: EventLog) -> QuorumAgent | None:
-    """The controller votes as witness 0 (quorum.controller_witness): with it one live
-    replica trains on; losing it alone costs the replicas nothing. It listens at the
-    address its route to the nodes leaves from; without one it does not vote (and no
-    replica counts it), which is logged, recorded and shown by ft-launch status."""
+def node_targets(slurm: SlurmCli, nodes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``(name, address)`` of the allocation's nodes, the addresses from Slurm (its
+    NodeAddr), or the names themselves where Slurm does not answer."""
     try:
         addresses = {n.name: n.address for n in slurm.nodes(nodes)}
     except SlurmCommandError as error:     # the node names are tried instead
         log.warning("no node addresses from Slurm (%s); resolving the node names", error)
         addresses = {}
-    agent, reach = controller_witness(run_dir, job, config.quorum,
-                                      [(n, addresses.get(n) or n) for n in nodes])
+    return tuple((n, addresses.get(n) or n) for n in nodes)
+
+
+def start_witness(run_dir: Path, job: WitnessJob, config: Config, reach: Reach,
+                  events: EventLog) -> QuorumAgent | None:
+    """The controller votes as witness 0 (quorum.controller_witness): with it one live
+    replica trains on; losing it alone costs the replicas nothing. It listens at the
+    address its route to the nodes leaves from (``reach``); without one it does not
+    vote (and no replica counts it), which is logged, recorded and shown by
+    ft-launch status."""
+    agent, reach = controller_witness(run_dir, job, config.quorum, reach)
     if agent is not None:
         log.info("the controller votes as witness 0 at %s: %s", agent.address, reach.reason)
     elif config.quorum.controller_witness:
@@ -352,7 +361,7 @@ def command_witness(args: argparse.Namespace, config: Config) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     log.info("witness %d of %s", args.index, args.run_dir)
-    serve(args.run_dir.resolve(), args.index, config.quorum, node_address(), stop)
+    serve(args.run_dir.resolve(), args.index, config.quorum, stop)
     return ExitCode.OK
 
 

@@ -28,13 +28,16 @@ class NodeInspection:
     """The collector and the per-node inspection steps of one run."""
 
     def __init__(self, config: HealthConfig, slurm: SlurmBackend, secret: str,
-                 env: dict[str, str], logs: Path, extra_args: tuple[str, ...] = ()) -> None:
+                 env: dict[str, str], logs: Path, extra_args: tuple[str, ...] = (),
+                 host: str | None = None) -> None:
         self.config = config
         self.slurm = slurm
         self.env = env
         self.logs = logs
         self.extra_args = extra_args
-        self.collector = Collector(secret, bind=f"tcp://{node_address()}:0")
+        # The nodes' steps connect here: ``host`` is the controller's route's source
+        # address towards them (a host name may resolve to loopback on a login node).
+        self.collector = Collector(secret, bind=f"tcp://{host or node_address()}:0")
         self.steps: dict[str, tuple[str | None, subprocess.Popen[bytes]]] = {}
         self.alarmed: set[str] = set()
 

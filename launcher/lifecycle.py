@@ -25,8 +25,8 @@ from ftcore.errors import ExitCode
 from ftcore.events import Event as Record
 
 from . import recovery as rc
-from . import rollback as rb
 from . import replay_rule as rr
+from . import rollback as rb
 from . import versions as cv
 from .events import FailSlowDetected, NodeFaultDetected
 from .run_state import ReplicaProgressed, ReplicaState, RunState

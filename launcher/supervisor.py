@@ -87,7 +87,11 @@ def system_clock() -> lc.Now:
 class Supervisor:
     def __init__(self, config: Config, plan: LaunchPlan, slurm: SlurmBackend, run_dir: Path,
                  worker_env: dict[str, str], events: EventLog,
-                 clock: Callable[[], lc.Now] = system_clock) -> None:
+                 clock: Callable[[], lc.Now] = system_clock,
+                 listen_host: str | None = None) -> None:
+        """``listen_host``: where the controller's own endpoints (the inspection
+        collector) listen: the source address of its route to the nodes; None:
+        its host name's address."""
         self.config = config
         self.plan = plan
         self.slurm = slurm
@@ -113,7 +117,7 @@ class Supervisor:
             if config.job.standby_mode is StandbyMode.RESERVATION else None
         self.inspection = NodeInspection(
             config.health, slurm, worker_env[ENV_SECRET], worker_env, self.logs,
-            config.slurm.srun_extra_args) if config.health.inspection else None
+            config.slurm.srun_extra_args, listen_host) if config.health.inspection else None
         self._updates_read = 0
         self._expanded: set[str] = set()    # nodes the job got by expansion
         self._launches: dict[int, int] = {}   # replica -> launches so far

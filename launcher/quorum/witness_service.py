@@ -4,7 +4,9 @@ A witness needs what a replica's agent needs (the job id, the secret, the number
 of replicas, the peer directory) and never trains. The controller writes them
 to ``<run_dir>/quorum-witness.json`` (mode 0600, in the 0700 run directory) so
 that a witness on a login or service node that shares the run directory can
-join: ``ft-launch witness --run-dir RUN_DIR --index K``.
+join: ``ft-launch witness --run-dir RUN_DIR --index K``. The file also names the
+nodes the controller probed (``WitnessJob.nodes``): every witness advertises the
+source address of its own route towards them (``reach``), never its host name's.
 
 Each witness keeps its memory (``witness.Memory``: term, vote, last round) in
 ``<run_dir>/quorum-witness-<K>.memory.json``, written atomically and durably
@@ -27,7 +29,6 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from ftcore.files import atomic_write_text
 from .agent import QuorumAgent
 from .directory import FileDirectory
 from .model import WITNESS_BASE
-from .reach import Reach, probe
+from .reach import Reach, probe, spread
 from .witness import Memory
 
 log = logging.getLogger(__name__)
@@ -109,17 +110,21 @@ def run_witnesses(run_dir: Path, config: QuorumConfig, *, controlled: bool) -> t
 @dataclass(frozen=True)
 class WitnessJob:
     """What a witness must know of its job. ``controller``: the controller votes
-    as witness 0 (it started its witness at an address the nodes reach)."""
+    as witness 0 (it started its witness at an address the nodes reach).
+    ``nodes``: ``(name, address)`` of the job's nodes that a witness probes for
+    the address it advertises (at most ``reach.PROBED_NODES``)."""
 
     job_id: str
     secret: str
     replicas: int
     controller: bool = False
+    nodes: tuple[tuple[str, str], ...] = ()
 
     def write(self, run_dir: Path) -> Path:
         path = run_dir / WITNESS_FILE
         body = {"job_id": self.job_id, "secret": self.secret, "replicas": self.replicas,
-                "controller": self.controller}
+                "controller": self.controller,
+                "nodes": [list(pair) for pair in spread(self.nodes)]}
         atomic_write_text(path, json.dumps(body) + "\n")
         os.chmod(path, 0o600)
         return path
@@ -129,15 +134,18 @@ class WitnessJob:
         path = run_dir / WITNESS_FILE
         try:
             body = json.loads(path.read_text(encoding="utf-8"))
+            nodes = tuple((str(name), str(address))
+                          for name, address in body.get("nodes", []))
             return WitnessJob(str(body["job_id"]), str(body["secret"]), int(body["replicas"]),
-                              body.get("controller") is True)
+                              body.get("controller") is True, nodes)
         except FileNotFoundError:
             raise UsageError(f"{path} does not exist",
                              hint="give the run directory of a running 'ft-launch run' "
                                   "(it writes this file when it starts)") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"{path} is unreadable: {exc}",
-                             hint="expected job_id, secret and replicas (JSON)") from None
+                             hint="expected job_id, secret, replicas and nodes "
+                                  "(JSON)") from None
 
 
 def witness_agent(run_dir: Path, job: WitnessJob, index: int, config: QuorumConfig,
@@ -159,12 +167,12 @@ def witness_agent(run_dir: Path, job: WitnessJob, index: int, config: QuorumConf
 
 
 def controller_witness(run_dir: Path, job: WitnessJob, config: QuorumConfig,
-                       nodes: Sequence[tuple[str, str]]) -> tuple[QuorumAgent | None, Reach]:
-    """Witness 0, started when ``quorum.controller_witness`` is on and an address
-    reaches the ``nodes`` (``(name, address)`` pairs), else None; and why. The
-    witness file says which, for every voter of the job."""
-    reach = probe(nodes) if config.controller_witness else \
-        Reach(None, "quorum.controller_witness = false")
+                       reach: Reach) -> tuple[QuorumAgent | None, Reach]:
+    """Witness 0, started when ``quorum.controller_witness`` is on and ``reach``
+    (``probe`` of ``job.nodes``) found an address the nodes reach, else None; and
+    why. The witness file says which, for every voter of the job."""
+    if not config.controller_witness:
+        reach = Reach(None, "quorum.controller_witness = false")
     agent = None
     if reach.address is not None:
         try:
@@ -178,10 +186,19 @@ def controller_witness(run_dir: Path, job: WitnessJob, config: QuorumConfig,
     return agent, reach
 
 
-def serve(run_dir: Path, index: int, config: QuorumConfig, host: str,
-          stop: threading.Event) -> None:
-    """Vote as witness ``index`` until ``stop`` is set."""
-    agent = witness_agent(run_dir, WitnessJob.read(run_dir), index, config, host)
+def serve(run_dir: Path, index: int, config: QuorumConfig, stop: threading.Event) -> None:
+    """Vote as witness ``index`` until ``stop`` is set, at the source address of
+    this host's route to the job's nodes. Refused (never
+    advertised where no replica can reach it) when there is none."""
+    job = WitnessJob.read(run_dir)
+    reach = probe(job.nodes) if job.nodes else \
+        Reach(None, f"{run_dir / WITNESS_FILE} names no nodes to reach")
+    if reach.address is None:
+        raise UsageError(f"witness {index} cannot vote from this host: {reach.reason}",
+                         hint="run 'ft-launch witness' on a host that reaches the job's "
+                              "nodes (a login or service node on their network)")
+    agent = witness_agent(run_dir, job, index, config, reach.address)
+    log.info("witness %d votes at %s: %s", index, agent.address, reach.reason)
     try:
         stop.wait()
     finally:

@@ -7,7 +7,9 @@ waits for a majority instead of training alone."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,22 @@ from launcher.events import ControllerWitnessChosen
 from launcher.quorum import FileDirectory, QuorumAgent
 from launcher.quorum.errors import MajorityLostError, QuorumTimeoutError
 from launcher.quorum.model import WITNESS_BASE
-from launcher.quorum.reach import Route, choose_address, is_loopback, route_to, spread
-from launcher.quorum.witness_service import WitnessJob, controller_witness, run_witnesses
+from launcher.quorum.reach import (
+    Route,
+    choose_address,
+    is_loopback,
+    probe,
+    route_to,
+    spread,
+)
+from launcher.quorum.witness_service import (
+    WitnessJob,
+    controller_witness,
+    run_witnesses,
+    serve,
+)
 from launcher.reporting.status import StandbyPool, run_status, status_text
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,8 +138,8 @@ def start_replicas(run_dir: Path, job: WitnessJob, started: list[QuorumAgent]) -
 
 def test_a_controller_that_reaches_the_nodes_votes_and_a_lone_survivor_trains_on(
         tmp_path: Path, job: WitnessJob, replicas: list[QuorumAgent]) -> None:
-    witness, reach = controller_witness(tmp_path, job, FAST, [("n1", "127.0.0.1"),
-                                                              ("n2", "localhost")])
+    witness, reach = controller_witness(tmp_path, job, FAST, probe([("n1", "127.0.0.1"),
+                                                                    ("n2", "localhost")]))
     assert witness is not None
     try:
         assert reach.address == "127.0.0.1" and witness.address.startswith("tcp://127.0.0.1:")
@@ -145,8 +160,8 @@ def test_a_controller_that_reaches_the_nodes_votes_and_a_lone_survivor_trains_on
 
 def test_a_controller_that_reaches_no_node_does_not_vote_and_no_replica_counts_it(
         tmp_path: Path, job: WitnessJob, replicas: list[QuorumAgent]) -> None:
-    witness, reach = controller_witness(tmp_path, job, FAST, [("n1", "127.0.0.1"),
-                                                              ("n2", UNRESOLVABLE)])
+    witness, reach = controller_witness(tmp_path, job, FAST, probe([("n1", "127.0.0.1"),
+                                                                    ("n2", UNRESOLVABLE)]))
     assert witness is None and reach.address is None
     assert reach.reason == "node n2's address does not resolve on this host"
     assert WitnessJob.read(tmp_path).controller is False
@@ -166,7 +181,7 @@ def test_a_controller_that_reaches_no_node_does_not_vote_and_no_replica_counts_i
 def test_switched_off_the_controller_does_not_vote_and_status_says_why(
         tmp_path: Path, job: WitnessJob) -> None:
     witness, reach = controller_witness(tmp_path, job, QuorumConfig(controller_witness=False),
-                                        [("n1", "127.0.0.1")])
+                                        probe([("n1", "127.0.0.1")]))
     assert witness is None and reach.reason == "quorum.controller_witness = false"
     assert WitnessJob.read(tmp_path).controller is False
     chosen = ControllerWitnessChosen(voting=False, address="", reason=reach.reason)
@@ -181,3 +196,45 @@ def test_switched_off_the_controller_does_not_vote_and_status_says_why(
 def test_a_replica_of_a_controlled_run_without_the_witness_file_is_told_which() -> None:
     with pytest.raises(UsageError, match="quorum-witness.json does not exist"):
         run_witnesses(Path("/nonexistent-run-dir"), FAST, controlled=True)
+
+
+def test_the_witness_file_names_the_probed_nodes_and_reads_them_back(tmp_path: Path) -> None:
+    nodes = tuple((f"n{i}", f"10.2.{i // 256}.{i % 256}") for i in range(100))
+    WitnessJob("job-1", "s", 3, controller=True, nodes=nodes).write(tmp_path)
+    read = WitnessJob.read(tmp_path)
+    assert read.controller and read.replicas == 3
+    assert read.nodes == tuple(spread(nodes)) and read.nodes[0] == nodes[0] \
+        and read.nodes[-1] == nodes[-1]
+
+
+def test_an_extra_witness_votes_at_its_routes_source_address(
+        tmp_path: Path, job: WitnessJob) -> None:
+    """``ft-launch witness``'s service: the address it advertises (in the peer
+    directory every replica reads) is the source of its route to the job's nodes."""
+    replace(job, nodes=(("n1", "127.0.0.1"),)).write(tmp_path)
+    stop = threading.Event()
+    config = QuorumConfig(witnesses=1)
+    server = threading.Thread(target=serve, args=(tmp_path, 1, config, stop), daemon=True)
+    server.start()
+    try:
+        directory = FileDirectory(tmp_path / "peers", job.secret, job.job_id)
+        record = wait_until(lambda: directory.lookup(WITNESS_BASE + 1)
+                            or not server.is_alive() and "stopped", 30,
+                            "witness 1 to publish its address")
+        assert record != "stopped", "the witness service ended before it published"
+        assert record.address.startswith("tcp://127.0.0.1:"), record
+    finally:
+        stop.set()
+        server.join(30)
+    assert not server.is_alive()
+
+
+def test_an_extra_witness_that_reaches_no_node_refuses_to_vote_and_says_why(
+        tmp_path: Path, job: WitnessJob) -> None:
+    replace(job, nodes=(("n1", "127.0.0.1"), ("n2", UNRESOLVABLE))).write(tmp_path)
+    with pytest.raises(UsageError, match="witness 1 cannot vote from this host: node n2's "
+                                         "address does not resolve on this host"):
+        serve(tmp_path, 1, QuorumConfig(witnesses=1), threading.Event())
+    job.write(tmp_path)   # written by a controller that probed nothing
+    with pytest.raises(UsageError, match="names no nodes to reach"):
+        serve(tmp_path, 1, QuorumConfig(witnesses=1), threading.Event())

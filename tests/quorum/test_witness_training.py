@@ -27,7 +27,8 @@ STEPS = 600
 def start_witness(job: LocalJob, index: int) -> subprocess.Popen[bytes]:
     """``ft-launch witness`` for ``job`` (the controller's witness file, written here
     as ``ft-launch run`` writes it; LocalJob has no controller)."""
-    WitnessJob("local", job.secret, job.replicas, controller=False).write(job.run_dir)
+    WitnessJob("local", job.secret, job.replicas, controller=False,
+               nodes=(("local", "127.0.0.1"),)).write(job.run_dir)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTL_")}
     env.update(job.config_env)
     log = (job.run_dir / f"witness-{index}.log").open("ab")
