@@ -87,8 +87,9 @@ def decide(state: QuorumState, event: Input, now: float) -> Outcome:
         state, actions = election.transfer_leadership(state, event.target)
     else:
         actions = []
-    state, more = _on_time(state, now)
-    actions += more
+    if _timers_due(state, now):
+        state, more = _on_time(state, now)
+        actions += more
     state, more = _follow_transitions(before, state, now)
     return state, actions + more
 
@@ -171,6 +172,17 @@ def _on_message(s: QuorumState, sender: int, message: object, now: float, *,
     if isinstance(message, EndorseAnswered):
         return witness.on_endorse_answered(s, sender, message, now)
     raise TypeError(f"not a quorum message: {message!r}")
+
+
+def _timers_due(s: QuorumState, now: float) -> bool:
+    """Whether ``_on_time`` may act: always for a leader or a member without one
+    (their checks look at what each event changed), for a follower of a known
+    leader only from its next deadline on (its election timer, a bid's resend),
+    which is every follower on almost every message."""
+    e = s.election
+    if e.role is Role.LEADER or e.leader_id is None:
+        return True
+    return now >= next_deadline(s, now)
 
 
 def _on_time(s: QuorumState, now: float) -> Outcome:

@@ -347,7 +347,7 @@ class AgentLoop:
         that trips the bug again and again must not flood the log."""
         try:
             return bool(step(*args))
-        except Exception:
+        except Exception:  # noqa: BLE001 - one node's bug must not stop the loop's others
             self.failed_steps += 1
             log_sampled(log, self.failed_steps, "%s: quorum node %r failed; input dropped",
                         self.name, node, level=logging.ERROR, exc_info=True)

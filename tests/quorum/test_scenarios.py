@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from launcher.quorum import core
 from launcher.quorum.model import Health, JoinFailure, Quorum, Role, VoteRequested
-from launcher.quorum.state import NotifyQuorumFormed, QuorumRequested, Send
+from launcher.quorum.state import NotifyQuorumFormed, QuorumRequested, QuorumState, Send
 
 from .sim import FAST, Sim
 
@@ -179,3 +180,42 @@ def test_pre_votes_do_not_raise_terms_in_a_minority() -> None:
                 if r == victim and isinstance(a, Send) and isinstance(a.message, VoteRequested)]
     assert requests and all(m.pre_vote for m in requests)
     assert sim.states[victim].term == sim.states[leader].term
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_follower_skips_its_timers_only_when_they_would_do_nothing(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decide`` leaves out the timer checks for a follower of a known leader
+    before its next deadline (every follower, on almost every message). Under
+    random faults, each time it does, running them would have changed nothing."""
+    checked = {"skipped": 0}
+    due = core._timers_due
+
+    def checking(s: QuorumState, now: float) -> bool:
+        if due(s, now):
+            return True
+        after, actions = core._on_time(s, now)
+        assert after is s and actions == [], (s, now, actions)
+        checked["skipped"] += 1
+        return False
+
+    monkeypatch.setattr(core, "_timers_due", checking)
+    rng = random.Random(seed)
+    sim = Sim(range(5), seed=seed, latency=0.002, jitter=0.01)
+    for step in range(1, 31):
+        fault = rng.random()
+        alive = [r for r in range(5) if r not in sim.dead]
+        if fault < 0.15 and len(alive) > 3:
+            sim.kill(rng.choice(alive))
+        elif fault < 0.3 and sim.dead:
+            sim.start(rng.choice(sorted(sim.dead)), seq_base=step * 1000)
+        elif fault < 0.4:
+            cut = rng.sample(range(5), rng.randint(1, 2))
+            sim.partition(cut, [r for r in range(5) if r not in cut])
+        elif fault < 0.55:
+            sim.heal()
+        for r in range(5):
+            if r not in sim.dead:
+                sim.request(r, step)
+        sim.run(0.2)
+    assert checked["skipped"] > 100
