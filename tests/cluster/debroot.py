@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -196,10 +197,16 @@ def unmount_all(root: Path) -> None:
 
 
 def write_hosts(root: Path, entries: list[str]) -> None:
-    """The root's own /etc/hosts: the cluster's names, nothing of the host's."""
+    """The root's own /etc/hosts: the cluster's names and the machine's own, which the
+    login node's clients (salloc, srun: the controller's namespace shares the host's
+    hostname) give slurmctld as their address. Unresolvable, it cost slurmctld 10 s
+    of failed lookups per message to them, long enough to set live nodes DOWN."""
     path = root / "etc/hosts"
     tmp = path.with_name("hosts.ftl-tmp")
-    tmp.write_text("127.0.0.1 localhost\n::1 localhost\n" + "\n".join(entries) + "\n")
+    own = socket.gethostname()
+    tmp.write_text("127.0.0.1 localhost\n::1 localhost\n"
+                   + (f"127.0.0.1 {own}\n" if own != "localhost" else "")
+                   + "\n".join(entries) + "\n")
     os.replace(tmp, path)
 
 

@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
 
 from . import debroot, instance
@@ -105,6 +106,38 @@ def run(*argv: str, check: bool = True, timeout: float = 60, **kw) -> subprocess
 # --------------------------------------------------------------------------- config
 
 
+#: Also how long slurmctld waits on a crashed node's slurmd before it gives up on it.
+MESSAGE_TIMEOUT = 5
+
+
+def slurm_release() -> str:
+    """The cluster's Slurm as ``24.11``: a release's root holds that release (checked
+    when it was built); the host's is whatever its slurmctld says."""
+    release = instance.current().release
+    return _host_release() if release == instance.HOST else release
+
+
+@cache
+def _host_release() -> str:
+    return ".".join(run("slurmctld", "-V").stdout.split()[-1].split(".")[:2])
+
+
+def slurmd_timeout(release: str) -> int:
+    """SlurmdTimeout: short, so a dead node is DOWN soon (5 s: in ~17 s), as long as
+    no live node can look silent for that long.
+
+    Up to 22.05 slurmctld pings each node with a message of its own. From 24.11 one
+    ping (and each periodic registration request, which goes to DOWN nodes too)
+    goes to all nodes at once, and no node's reply counts before the slowest is in:
+    with a crashed node in it, MessageTimeout + ~2 s. A live node is pinged once its
+    last reply is SlurmdTimeout/3 old, a check for SlurmdTimeout can run before the
+    previous round's replies are counted, and so under 5 s every live node was set
+    DOWN (its jobs requeued) seconds after a crash (tests/cluster/README.md). A
+    SlurmdTimeout above three such rounds is safe: six MessageTimeouts."""
+    major, minor = (int(part) for part in release.split("."))
+    return 5 if (major, minor) < (24, 11) else 6 * MESSAGE_TIMEOUT
+
+
 def slurm_conf(base: Path, nodes: list[str], hooks: Hooks) -> str:
     """slurm.conf for the lab cluster (choices explained in shared/docs/slurm-lab.md)."""
     lines = [
@@ -135,12 +168,11 @@ def slurm_conf(base: Path, nodes: list[str], hooks: Hooks) -> str:
         "ReturnToService=2",
         "MpiDefault=none",
         "MailProg=/bin/true",
-        # Fast failure detection for tests: a dead slurmd is DOWN in ~17 s.
-        "SlurmdTimeout=5",
-        "MessageTimeout=5",
+        f"SlurmdTimeout={slurmd_timeout(slurm_release())}",
+        f"MessageTimeout={MESSAGE_TIMEOUT}",
         # Every slurmd answers slurmctld directly. From 24.11 the pings go through a
-        # tree of slurmds even on 6 nodes, and with the 5 s timeout above one dead
-        # forwarder had every node it forwarded to set DOWN and removed from the job.
+        # tree of slurmds even on 6 nodes (default width 16), and one dead forwarder
+        # had every node it forwarded to set DOWN and removed from the job.
         "TreeWidth=65533",
         "InactiveLimit=0",
         "KillWait=2",
