@@ -219,3 +219,12 @@ def test_a_follower_skips_its_timers_only_when_they_would_do_nothing(
                 sim.request(r, step)
         sim.run(0.2)
     assert checked["skipped"] > 100
+
+
+def test_in_these_tests_every_copy_the_core_makes_is_checked() -> None:
+    from launcher.quorum import election, formation, model
+    assert formation.evolve is election.evolve is model.checked_evolve
+    member = model.QuorumMember(1, 5, "tcp://a:1")
+    assert model.checked_evolve(member, next_step=6).next_step == 6
+    with pytest.raises(TypeError, match=r"QuorumMember has no field \['next_stpe'\]"):
+        model.checked_evolve(member, next_stpe=6)
