@@ -223,10 +223,16 @@ class TorchStateSource:
     def meta(self) -> Mapping[str, Any]:
         return self._meta
 
+    def moves(self, index: int, dest: Bytes) -> bool:
+        """False when tensor ``index`` already lives at ``dest`` (resident.py)."""
+        tensor = self._tensors[index]
+        return (tensor.is_cuda or not tensor.is_contiguous()
+                or tensor.data_ptr() != dest.ctypes.data)
+
     def copy_into(self, index: int, dest: Bytes) -> None:
         tensor = self._tensors[index]
         if not tensor.is_cuda:
-            if tensor.is_contiguous() and tensor.data_ptr() == dest.ctypes.data:
+            if not self.moves(index, dest):
                 return  # resident: the optimizer step already wrote it here (resident.py)
             # numpy: one thread, GIL released. torch's copy_ would start a second
             # OpenMP team in this thread and fight the training thread's for the cores.
