@@ -11,6 +11,7 @@ Protocol per step, in the training thread::
 
     optimizer.step()
     snapshotter.start(step, source)      # returns at once; the copy runs in a thread
+                                         # (a small one, INLINE_COPY_BYTES: done here)
     ... forward / backward of the next step ...
     snapshotter.wait_ready()              # normally already done: costs nothing
     optimizer.step()
