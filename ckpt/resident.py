@@ -62,7 +62,6 @@ from .torch_state import (
     as_tensor,
     is_sharded,
     local_tensor,
-    sharded_like,
 )
 
 log = logging.getLogger(__name__)
@@ -178,12 +177,19 @@ def _move_home(p: torch.Tensor, state: dict[str, Any], home: Home, *, copy: bool
             if old_local.data_ptr() != new.data_ptr():
                 new.copy_(old_local)
     _rebind(p, new_param)
-    state["exp_avg"] = sharded_like(state["exp_avg"], new_avg)
-    state["exp_avg_sq"] = sharded_like(state["exp_avg_sq"], new_sq)
+    # The moments stay the same objects (a DTensor each, rebound like the parameter):
+    # a new DTensor per moment per step cost more than the step's arithmetic, and the
+    # snapshot sources recognise unchanged objects (``TorchStateSource(previous=)``).
+    for key, new in (("exp_avg", new_avg), ("exp_avg_sq", new_sq)):
+        if is_sharded(state[key]):
+            _rebind(state[key], new)
+        else:
+            state[key] = new
 
 
 def _rebind(p: torch.Tensor, local: torch.Tensor) -> None:
-    """Make ``local`` the memory of parameter ``p`` (its local shard if sharded)."""
+    """Make ``local`` the memory of ``p``, a parameter or a moment (its local shard
+    if sharded)."""
     if not is_sharded(p):
         p.data = local
     elif p._local_tensor is not local:  # type: ignore[attr-defined]
@@ -217,18 +223,24 @@ class Residency:
         self.wait = wait
         self._names = self._home_names()
         self._fsdp = _FsdpShards(model, optimizer.params_in_order())
+        #: the newest source built: the next one reuses what did not change, and the
+        #: next claim its layout (the state's tensors are the same from step to step)
+        self._last: TorchStateSource | None = None
         optimizer.homes = self._claim_homes
         optimizer.moved = self._fsdp.sync
 
     def source(self, step: int, loader_state: Mapping[str, Any] | None = None
                ) -> TorchStateSource:
-        return TorchStateSource(self.model, self.optimizer, self.scheduler, step=step,
-                                loader_state=loader_state, rng=self.rng)
+        self._last = TorchStateSource(self.model, self.optimizer, self.scheduler, step=step,
+                                      loader_state=loader_state, rng=self.rng,
+                                      previous=self._last)
+        return self._last
 
     def release(self) -> None:
         """Give the parameters and moments private memory again, before anything
         other than the optimizer writes them (loading a restored or fetched
         state); the next step moves them back into the buffers."""
+        self._last = None    # its tensors are no longer the state's
         with torch.no_grad():
             for p in self.optimizer.params_in_order():
                 state = self.optimizer.state[p]
@@ -258,7 +270,7 @@ class Residency:
     def _claim_homes(self) -> list[Home]:
         # The layout of a snapshot of this state: the step and loader state are
         # JSON meta, so any values describe the same tensors.
-        descs = self.source(0).describe()
+        descs = (self._last or self.source(0)).describe()
         try:
             specs, buffer = self.snapshots.claim(descs, self.wait)
         except SnapshotFailedError as exc:

@@ -24,6 +24,7 @@ optimizer step's result); the background thread waits per tensor.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from collections.abc import Mapping, Sequence
@@ -64,6 +65,8 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The bytes this rank holds of ``tensor``: its local shard if sharded (the
     same memory, not a copy), else the tensor itself; detached either way."""
     if is_sharded(tensor):
+        if not torch.is_grad_enabled():   # the context manager costs more than the rest
+            return tensor.to_local().detach()  # type: ignore[attr-defined, no-any-return]
         with torch.no_grad():  # no autograd node: the very local tensor, viewed
             return tensor.to_local().detach()  # type: ignore[attr-defined, no-any-return]
     return tensor.detach()
@@ -71,13 +74,20 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def shard_info(tensor: torch.Tensor) -> ShardInfo:
     """How a DTensor is sharded, in the manifest's terms."""
-    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    return _shard_info(tensor.device_mesh, tuple(tensor.placements),  # type: ignore[attr-defined]
+                       tuple(tensor.shape), tuple(local_tensor(tensor).shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_info(mesh: Any, placements: tuple[Any, ...], global_shape: tuple[int, ...],
+                local_shape: tuple[int, ...]) -> ShardInfo:
+    # Cached: every snapshot describes every shard, and a mesh's shape is computed
+    # anew on each read (in Python); a model has a handful of distinct shardings.
     names = mesh.mesh_dim_names
     return ShardInfo(mesh_shape=tuple(mesh.shape), coordinate=tuple(mesh.get_coordinate() or ()),
                      mesh_dim_names=None if names is None else tuple(names),
-                     placements=tuple(repr(p) for p in tensor.placements),  # type: ignore
-                     global_shape=tuple(tensor.shape),
-                     local_shape=tuple(local_tensor(tensor).shape))
+                     placements=tuple(repr(p) for p in placements),
+                     global_shape=global_shape, local_shape=local_shape)
 
 
 def layout_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Layout:
@@ -114,12 +124,19 @@ class TorchStateSource:
 
     Build it right after ``optimizer.step()``; it holds references to the live
     tensors, which ``copy_into`` reads from the snapshot thread.
+
+    ``previous``: the source of the step before, of the same objects. A tensor that
+    is the very object it was then, in the same place, with the same local shape
+    and dtype, keeps its description and sharding (reading a DTensor's mesh and
+    placements costs more Python than the rest of a small model's snapshot).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  scheduler: Any = None, *, step: int,
                  loader_state: Mapping[str, Any] | None = None, rng: bool = True,
-                 stream: Any = None) -> None:
+                 stream: Any = None, previous: TorchStateSource | None = None) -> None:
+        self._previous = previous
+        self._objects: list[torch.Tensor] = []     # as given: DTensors stay DTensors
         self._tensors: list[torch.Tensor] = []
         self._descs: list[TensorDesc] = []
         self._meta: dict[str, Any] = {"step": step, "loader_state": dict(loader_state or {})}
@@ -134,7 +151,8 @@ class TorchStateSource:
         if rng:
             self._add_rng()
         if self._shards:
-            self._meta["layout"] = build_layout(self._shards)
+            self._meta["layout"] = self._same_layout() or build_layout(self._shards)
+        self._previous = None   # what it describes is copied; no chain of sources
         if any(t.is_cuda for t in self._tensors):
             # On the tensors' device, whatever device this thread has current: the
             # copies must be ordered after the step that produced them there.
@@ -144,11 +162,30 @@ class TorchStateSource:
             self._ready.record(torch.cuda.current_stream(device))
 
     def _add(self, name: str, tensor: torch.Tensor, eager: bool) -> None:
-        if is_sharded(tensor):
-            self._shards[name] = shard_info(tensor)
         local = local_tensor(tensor)
+        index = len(self._descs)
+        prev = self._previous
+        if (prev is not None and index < len(prev._descs) and prev._objects[index] is tensor
+                and prev._descs[index].name == name and prev._descs[index].eager == eager
+                and prev._tensors[index].shape == local.shape
+                and prev._tensors[index].dtype == local.dtype):
+            desc, info = prev._descs[index], prev._shards.get(name)
+        else:
+            desc = TensorDesc(name, dtype_name(local.dtype), tuple(local.shape), eager)
+            info = shard_info(tensor) if is_sharded(tensor) else None
+        if info is not None:
+            self._shards[name] = info
+        self._objects.append(tensor)
         self._tensors.append(local)
-        self._descs.append(TensorDesc(name, dtype_name(local.dtype), tuple(local.shape), eager))
+        self._descs.append(desc)
+
+    def _same_layout(self) -> Layout | None:
+        """The previous source's layout, if every shard is described as it was."""
+        prev = self._previous
+        if (prev is None or "layout" not in prev._meta or len(prev._shards) != len(self._shards)
+                or any(prev._shards.get(name) is not info for name, info in self._shards.items())):
+            return None
+        return prev._meta["layout"]  # type: ignore[no-any-return]
 
     def _add_model(self, model: torch.nn.Module) -> None:
         params = {id(p) for p in model.parameters()}
@@ -186,10 +223,16 @@ class TorchStateSource:
     def meta(self) -> Mapping[str, Any]:
         return self._meta
 
+    def moves(self, index: int, dest: Bytes) -> bool:
+        """False when tensor ``index`` already lives at ``dest`` (resident.py)."""
+        tensor = self._tensors[index]
+        return (tensor.is_cuda or not tensor.is_contiguous()
+                or tensor.data_ptr() != dest.ctypes.data)
+
     def copy_into(self, index: int, dest: Bytes) -> None:
         tensor = self._tensors[index]
         if not tensor.is_cuda:
-            if tensor.is_contiguous() and tensor.data_ptr() == dest.ctypes.data:
+            if not self.moves(index, dest):
                 return  # resident: the optimizer step already wrote it here (resident.py)
             # numpy: one thread, GIL released. torch's copy_ would start a second
             # OpenMP team in this thread and fight the training thread's for the cores.

@@ -71,6 +71,7 @@ class TorchTrainState:
         self.residency: Residency | None = None
         self.hooks: FsdpExchange | DdpExchange | None = None
         self._flat: dict[torch.dtype, torch.Tensor] = {}
+        self._last_source: TorchStateSource | None = None
 
     @property
     def sharded(self) -> bool:
@@ -169,7 +170,11 @@ class TorchTrainState:
     def snapshot_source(self, step: int, loader_state: Mapping[str, Any]) -> TorchStateSource:
         if self.residency is not None:
             return self.residency.source(step, loader_state)
-        return TorchStateSource(self.model, self.optimizer, step=step, loader_state=loader_state)
+        # the step before's source: what is the same object as then is not described anew
+        self._last_source = TorchStateSource(self.model, self.optimizer, step=step,
+                                             loader_state=loader_state,
+                                             previous=self._last_source)
+        return self._last_source
 
     def load(self, manifest: Manifest, buffer: Bytes) -> Mapping[str, Any]:
         if self.residency is not None:

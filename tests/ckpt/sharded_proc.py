@@ -207,15 +207,25 @@ def resident(rank: int, mesh: DeviceMesh) -> dict[str, Any]:
     optimizer = ResidentAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     snapshots = DualBufferSnapshotter(rank=rank, world_size=world)
     residency = Residency(model, optimizer, snapshots, rng=False)
-    differs = []
+    differs, moments, layouts = [], [], []
     for step in range(3):
         _train(reference, reference_optimizer, step, rank)
         _backward(model, step, rank)
         snapshots.wait_ready(timeout=WAIT)
         optimizer.step()
-        snapshots.start(step, residency.source(step))
+        source = residency.source(step)
+        snapshots.start(step, source)
         differs.append(_differences(_local_state(reference, reference_optimizer),
                                     _local_state(model, optimizer)))
+        moments.append([id(optimizer.state[p][k]) for p in optimizer.params_in_order()
+                        for k in ("exp_avg", "exp_avg_sq")])
+        layouts.append(source.meta()["layout"])
+    # the same objects from step to step, described once: and as a fresh description is
+    fresh = TorchStateSource(model, optimizer, step=2, rng=False)
+    reuse = {"moments_kept": moments[0] == moments[1] == moments[2],
+             "layout_kept": layouts[1] is layouts[2],
+             "layout_as_fresh": layouts[2] == fresh.meta()["layout"],
+             "descs_as_fresh": list(source.describe()) == list(fresh.describe())}
     assert snapshots.wait_complete(timeout=WAIT) is SlotState.COMPLETE
     assert snapshots.stats.skipped == 0
     with snapshots.lease() as snap:
@@ -230,7 +240,7 @@ def resident(rank: int, mesh: DeviceMesh) -> dict[str, Any]:
             "local_rows": {n: local_tensor(p).shape[0] for n, p in model.named_parameters()},
             "restored_differs": _differences(_local_state(reference, reference_optimizer),
                                              _local_state(restored, restored_optimizer)),
-            "refusal": _refusal_without_the_fsdp_hook(mesh)}
+            "refusal": _refusal_without_the_fsdp_hook(mesh), "reuse": reuse}
 
 
 def _refusal_without_the_fsdp_hook(mesh: DeviceMesh) -> str | None:

@@ -44,8 +44,13 @@ def test_buffers_alternate_and_newest_complete_wins():
     assert_state_equal(_held(snapshotter), 4)
 
 
+def _threaded(**kwargs) -> DualBufferSnapshotter:
+    """A snapshotter whose every copy runs in its thread (these tests stop it there)."""
+    return DualBufferSnapshotter(inline_bytes=0, **kwargs)
+
+
 def test_copy_in_progress_never_exposes_the_new_buffer():
-    snapshotter = snapshot_of(1)
+    snapshotter = snapshot_of(1, _threaded())
     source = GatedSource(make_arrays(2), gate_at=3)
     assert snapshotter.start(2, source)
     assert source.reached.wait(10)
@@ -60,7 +65,7 @@ def test_copy_in_progress_never_exposes_the_new_buffer():
 
 
 def test_writer_killed_mid_copy_leaves_previous_snapshot():
-    snapshotter = snapshot_of(1)
+    snapshotter = snapshot_of(1, _threaded())
     source = GatedSource(make_arrays(2), gate_at=2, fail=True)
     snapshotter.start(2, source)
     assert snapshotter.wait_complete(timeout=10) is SlotState.FAILED
@@ -89,7 +94,7 @@ def test_eager_tensors_are_copied_before_start_returns():
     arrays = make_arrays(1)
     source = GatedSource(arrays, gate_at=0)
     source._inner = ArrayState(arrays, eager={"rng/torch"})
-    snapshotter = DualBufferSnapshotter()
+    snapshotter = _threaded()
     snapshotter.start(1, source)
     assert source.reached.wait(10)
     original = arrays["rng/torch"].copy()
@@ -111,7 +116,7 @@ def test_growing_state_reallocates_the_buffer():
 def _stuck_in_tensor_0(kind: type[GatedSource] = GatedSource
                        ) -> tuple[DualBufferSnapshotter, GatedSource]:
     """Step 1 complete; the snapshot thread of step 2 held inside its first tensor."""
-    snapshotter = snapshot_of(1)
+    snapshotter = snapshot_of(1, _threaded())
     source = kind(make_arrays(2), gate_at=0)
     snapshotter.start(2, source)
     assert source.reached.wait(10)
@@ -280,7 +285,7 @@ class _RecordsPriority(GatedSource):
 
 
 def test_snapshot_thread_runs_at_low_priority_helpers_at_the_callers():
-    snapshotter = DualBufferSnapshotter(worker_nice=17)
+    snapshotter = _threaded(worker_nice=17)
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     source = _RecordsPriority(make_arrays(1), gate_at=0)
     snapshotter.start(1, source)
@@ -291,3 +296,48 @@ def test_snapshot_thread_runs_at_low_priority_helpers_at_the_callers():
     waiter.join(20)
     assert source.nice[0] == max(own, 17)
     assert set(list(source.nice.values())[1:]) == {own}  # the waiting thread and its helper
+
+
+class _InPlace(ArrayState):
+    """Tensors ``resident`` already live in the buffer (as ``resident.py`` leaves them)."""
+
+    def __init__(self, arrays, resident=()) -> None:
+        super().__init__(arrays)
+        self.resident = {i for i, name in enumerate(arrays) if name in resident}
+        self.copied: list[int] = []
+        self.threads: set[str] = set()
+
+    def moves(self, index, dest):
+        return index not in self.resident
+
+    def copy_into(self, index, dest):
+        self.copied.append(index)
+        self.threads.add(threading.current_thread().name)
+        if index in self.resident:
+            return
+        super().copy_into(index, dest)
+
+
+def test_a_small_copy_is_made_by_start_itself_and_complete_when_it_returns():
+    snapshotter = DualBufferSnapshotter(inline_bytes=1 << 20)
+    source = _InPlace(make_arrays(1))
+    assert snapshotter.start(1, source)
+    assert snapshotter.latest_step() == 1     # no thread to wait for
+    assert source.threads == {threading.current_thread().name}
+    assert_state_equal(_held(snapshotter), 1)
+
+
+def test_what_is_resident_does_not_count_against_the_inline_copy():
+    big = make_arrays(1, size=200_000)              # 0.8 MB each of weights and moments
+    snapshotter = DualBufferSnapshotter(inline_bytes=64 << 10)
+    in_place = {"model/w", "optim/state/0/exp_avg"}
+    resident = _InPlace(big, resident=in_place)
+    assert snapshotter.start(1, resident)
+    assert snapshotter.latest_step() == 1           # the rest was copied inline
+    assert resident.threads == {threading.current_thread().name}
+    assert not resident.copied or all(list(big)[i] not in in_place for i in resident.copied)
+    copied = _InPlace(make_arrays(2, size=200_000))
+    assert snapshotter.start(2, copied)             # all of it moves: the thread copies it
+    assert copied.threads <= {"ckpt-snapshot-2"}    # start copied none of it
+    assert snapshotter.wait_complete(timeout=10) is SlotState.COMPLETE
+    assert_state_equal(_held(snapshotter), 2, size=200_000)

@@ -109,3 +109,5 @@ def test_resident_adamw_on_fsdp2_shards_matches_torch_adamw_bit_for_bit(tmp_path
             padded = name.startswith("4.") and report["local_rows"][name] == 1
             assert inside == (not padded), (rank, name)
         assert "use a copying snapshot" in (report["refusal"] or ""), report["refusal"]
+        assert report["reuse"] == {"moments_kept": True, "layout_kept": True,
+                                   "layout_as_fresh": True, "descs_as_fresh": True}, rank

@@ -115,3 +115,19 @@ def test_non_contiguous_tensors_are_copied_exactly(dtype):
             spec = snap.manifest.spec(f"model/{name}")
             copied = torch.from_numpy(spec.raw(snap.buffer).copy()).view(dtype).view(spec.shape)
             assert torch.equal(copied, tensor), name
+
+
+def test_a_source_built_on_the_previous_one_describes_the_state_as_a_fresh_one():
+    model, optimizer, scheduler = _make()
+    _train(model, optimizer, scheduler, 1)
+    first = TorchStateSource(model, optimizer, scheduler, step=0)
+    _train(model, optimizer, scheduler, 1)
+    again = TorchStateSource(model, optimizer, scheduler, step=1, previous=first)
+    fresh = TorchStateSource(model, optimizer, scheduler, step=1)
+    assert list(again.describe()) == list(fresh.describe())
+    assert again.describe()[0] is first.describe()[0]     # the same object: kept
+    model[0].weight = torch.nn.Parameter(torch.zeros(4, 8))   # another object, another shape
+    changed = TorchStateSource(model, optimizer, scheduler, step=1, previous=again)
+    assert list(changed.describe()) == list(TorchStateSource(model, optimizer, scheduler,
+                                                             step=1).describe())
+    assert next(d for d in changed.describe() if d.name == "model/0.weight").shape == (4, 8)
