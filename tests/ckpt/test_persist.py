@@ -70,7 +70,8 @@ def test_async_save_from_snapshots_while_they_go_on(tmp_path):
 
 def test_async_save_waits_for_the_snapshot_being_copied(tmp_path):
     store = _store(tmp_path)
-    snapshotter = snapshot_of(99)
+    # Copied on the snapshot's thread (the gate holds it there), not inline in start.
+    snapshotter = snapshot_of(99, DualBufferSnapshotter(inline_bytes=0))
     source = GatedSource(make_arrays(100), gate_at=2)
     snapshotter.start(100, source)
     future = store.save_async(snapshotter.buffers, 100, wait=30)

@@ -127,7 +127,8 @@ def test_routes_ranges_and_splits():
 
 
 def test_fetch_waits_for_the_step_being_copied():
-    snapshotter = snapshot_of(1)
+    # Copied on the snapshot's thread (the gate holds it there), not inline in start.
+    snapshotter = snapshot_of(1, DualBufferSnapshotter(inline_bytes=0))
     source = GatedSource(make_arrays(2), gate_at=1)
     snapshotter.start(2, source)
     assert source.reached.wait(10)
