@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from launcher.quorum import core
+from launcher.quorum import core, election, formation, model
 from launcher.quorum.model import Health, JoinFailure, Quorum, Role, VoteRequested
 from launcher.quorum.state import NotifyQuorumFormed, QuorumRequested, QuorumState, Send
 
@@ -28,6 +28,24 @@ def round_of(sim: Sim, members: list[int], step: int, limit: float = 5.0) -> lis
     assert sim.run_until(lambda: all(len(sim.delivered[r]) > before[r] for r in members),
                          limit), f"round {step} incomplete"
     return [sim.delivered[r][-1] for r in members]
+
+
+def random_fault(sim: Sim, rng: random.Random, step: int,
+                 odds: tuple[float, float, float, float]) -> None:
+    """At most one fault among 5 members: kill one (while more than 3 live), restart
+    a dead one, cut 1 or 2 off, or heal; ``odds`` are the cumulative chances."""
+    kill, restart, cut_off, heal = odds
+    fault = rng.random()
+    alive = [r for r in range(5) if r not in sim.dead]
+    if fault < kill and len(alive) > 3:
+        sim.kill(rng.choice(alive))
+    elif fault < restart and sim.dead:
+        sim.start(rng.choice(sorted(sim.dead)), seq_base=step * 1000)
+    elif fault < cut_off:
+        cut = rng.sample(range(5), rng.randint(1, 2))
+        sim.partition(cut, [r for r in range(5) if r not in cut])
+    elif fault < heal:
+        sim.heal()
 
 
 def test_everyone_gets_the_same_quorum() -> None:
@@ -136,17 +154,7 @@ def test_random_faults_keep_the_invariants(seed: int) -> None:
     leaders_by_term: dict[int, set[int]] = {}
     membership: dict[int, frozenset[int]] = {}
     for step in range(1, 41):
-        fault = rng.random()
-        alive = [r for r in range(5) if r not in sim.dead]
-        if fault < 0.1 and len(alive) > 3:
-            sim.kill(rng.choice(alive))
-        elif fault < 0.2 and sim.dead:
-            sim.start(rng.choice(sorted(sim.dead)), seq_base=step * 1000)
-        elif fault < 0.3:
-            cut = rng.sample(range(5), rng.randint(1, 2))
-            sim.partition(cut, [r for r in range(5) if r not in cut])
-        elif fault < 0.45:
-            sim.heal()
+        random_fault(sim, rng, step, (0.1, 0.2, 0.3, 0.45))
         for r in range(5):
             if r not in sim.dead and rng.random() < 0.8:
                 sim.request(r, step)
@@ -203,17 +211,7 @@ def test_a_follower_skips_its_timers_only_when_they_would_do_nothing(
     rng = random.Random(seed)
     sim = Sim(range(5), seed=seed, latency=0.002, jitter=0.01)
     for step in range(1, 31):
-        fault = rng.random()
-        alive = [r for r in range(5) if r not in sim.dead]
-        if fault < 0.15 and len(alive) > 3:
-            sim.kill(rng.choice(alive))
-        elif fault < 0.3 and sim.dead:
-            sim.start(rng.choice(sorted(sim.dead)), seq_base=step * 1000)
-        elif fault < 0.4:
-            cut = rng.sample(range(5), rng.randint(1, 2))
-            sim.partition(cut, [r for r in range(5) if r not in cut])
-        elif fault < 0.55:
-            sim.heal()
+        random_fault(sim, rng, step, (0.15, 0.3, 0.4, 0.55))
         for r in range(5):
             if r not in sim.dead:
                 sim.request(r, step)
@@ -222,7 +220,6 @@ def test_a_follower_skips_its_timers_only_when_they_would_do_nothing(
 
 
 def test_in_these_tests_every_copy_the_core_makes_is_checked() -> None:
-    from launcher.quorum import election, formation, model
     assert formation.evolve is election.evolve is model.checked_evolve
     member = model.QuorumMember(1, 5, "tcp://a:1")
     assert model.checked_evolve(member, next_step=6).next_step == 6
