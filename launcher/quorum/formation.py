@@ -3,10 +3,13 @@
 The leader collects joins for a round. It forms the quorum as soon as every
 replica it believes alive has joined (the fast path: everyone present), or when
 the join window (``join_timeout``) has expired, with at least ``min_replicas``
-admitted members. It announces it only once voters holding a strict majority of
-all votes stand behind it: the members themselves, and when they are too few,
-the witnesses' endorsements (``witness``). A minority can never announce one,
-so two quorums cannot both train (the package docstring has the argument).
+admitted members. The window opens once the joins could make a quorum
+(``Round.formable_at``), so each live member has ``join_timeout`` to join from
+then, however long an early member has been waiting. The leader announces the
+quorum only once voters holding a strict majority of all votes stand behind it:
+the members themselves, and when they are too few, the witnesses' endorsements
+(``witness``). A minority can never announce one, so two quorums cannot both
+train (the package docstring has the argument).
 
 ``quorum_id`` changes exactly when the membership changes (a replica joined,
 left, or came back at a new address) or a member reports a failed commit, and
@@ -73,6 +76,7 @@ def on_joins(s: QuorumState, joins: Iterable[tuple[int, JoinRequested]], now: fl
     lead = s.leadership
     batch = _JoinBatch(lead, now)
     live = _live_replicas(s, lead)
+    enough = _joins_needed(s)
     for sender, join in joins:
         if sender not in batch.heard and s.heard.get(sender, NEVER) < heard_before:
             batch.heard[sender] = now
@@ -92,8 +96,10 @@ def on_joins(s: QuorumState, joins: Iterable[tuple[int, JoinRequested]], now: fl
             batch.addresses[sender] = join.address
         batch.add(sender, join)
         # Cheap test first (as in ``try_form``): the full one runs once the
-        # count can match, which keeps a 1,000-member round linear.
-        if batch.count >= live or now >= batch.opened_at + s.params.join_timeout:
+        # count can match everyone live, when the window may open (once), or
+        # once it has closed, which keeps a 1,000-member round linear.
+        if batch.count >= live or (batch.count >= enough if batch.formable_at is None
+                                   else now >= batch.formable_at + s.params.join_timeout):
             s, more = try_form(batch.apply(s), now)
             actions += more
             lead = s.leadership
@@ -107,6 +113,12 @@ def _live_replicas(s: QuorumState, lead: Leadership) -> int:
     return len(lead.live) - sum(1 for w in s.witnesses if w in lead.live)
 
 
+def _joins_needed(s: QuorumState) -> int:
+    """The fewest joins that can make a quorum: ``min_replicas``, and with every
+    witness's vote a majority."""
+    return max(s.params.min_replicas, s.majority - s.weight_of(s.witnesses))
+
+
 class _JoinBatch:
     """Joins and addresses taken since the state was last rebuilt."""
 
@@ -114,6 +126,7 @@ class _JoinBatch:
         self.lead = lead
         self.base = lead.round.joins if lead.round is not None else {}
         self.opened_at = lead.round.opened_at if lead.round is not None else now
+        self.formable_at = lead.round.formable_at if lead.round is not None else None
         self.count = len(self.base)
         self.joins: dict[int, JoinRequested] = {}
         self.addresses: dict[int, str] = {}
@@ -138,7 +151,7 @@ class _JoinBatch:
             else lead.addresses
         joins = with_items(self.base, self.joins)
         return evolve(s, leadership=evolve(lead, addresses=addresses,
-                                           round=Round(self.opened_at, joins)))
+                                           round=Round(self.opened_at, joins, self.formable_at)))
 
 
 def try_form(s: QuorumState, now: float) -> Outcome:
@@ -146,23 +159,31 @@ def try_form(s: QuorumState, now: float) -> Outcome:
     current = lead.round
     if s.role is not Role.LEADER or current is None or lead.pending is not None:
         return s, []
-    expired = now >= current.opened_at + s.params.join_timeout
     live = lead.live - s.witnesses if s.witnesses else lead.live
-    # Cheap test first: the subset test only runs once the count can match,
+    # Cheap tests first: the subset test only runs once the count can match,
     # which keeps a 1,000-member round linear rather than quadratic.
-    if not expired and (len(current.joins) < len(live) or not live.issubset(current.joins)):
-        return s, []
-    # Members and every witness together must be able to make a majority.
-    reachable_votes = len(current.joins) + s.weight_of(s.witnesses)
-    if len(current.joins) < s.params.min_replicas or reachable_votes < s.majority:
-        return s, []
-    horizon = now - s.params.member_timeout
-    joined = {m: j for m, j in current.joins.items()
-              if m == s.me or s.heard.get(m, NEVER) > horizon}
+    everyone = len(current.joins) >= len(live) and live.issubset(current.joins)
+    opened = current.formable_at
+    if not everyone and opened is not None and now < opened + s.params.join_timeout:
+        return s, []  # the window is open: wait for the live members
+    needed = _joins_needed(s)
+    joined: dict[int, JoinRequested] = {}
+    if len(current.joins) >= needed:
+        horizon = now - s.params.member_timeout
+        joined = {m: j for m, j in current.joins.items()
+                  if m == s.me or s.heard.get(m, NEVER) > horizon}
     admitted = sum(1 for j in joined.values() if j.health is not Health.UNHEALTHY)
-    if admitted < s.params.min_replicas or admitted + s.weight_of(s.witnesses) < s.majority:
-        return s, []
+    if admitted < needed:
+        # Not (or no longer: a member fell silent) enough for a quorum: the
+        # window opens again when there are.
+        return (s if opened is None else _with_round(s, evolve(current, formable_at=None))), []
+    if not everyone and opened is None and s.params.join_timeout > 0:
+        return _with_round(s, evolve(current, formable_at=now)), []  # the window opens
     return form(s, joined, now)
+
+
+def _with_round(s: QuorumState, current: Round) -> QuorumState:
+    return evolve(s, leadership=evolve(s.leadership, round=current))
 
 
 def form(s: QuorumState, joined: Mapping[int, JoinRequested], now: float) -> Outcome:
@@ -376,8 +397,8 @@ def formation_deadline(s: QuorumState, now: float) -> float:
     if s.role is Role.LEADER and pending is not None:
         deadline = min(deadline, witness.resend_at(s, pending))
     current = s.leadership.round
-    if s.role is Role.LEADER and current is not None:
-        closes = current.opened_at + s.params.join_timeout
+    if s.role is Role.LEADER and current is not None and current.formable_at is not None:
+        closes = current.formable_at + s.params.join_timeout
         if closes > now:
             deadline = min(deadline, closes)
     return deadline

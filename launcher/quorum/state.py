@@ -168,10 +168,19 @@ class Election:
 
 @dataclass(frozen=True)
 class Round:
-    """Joins the leader has collected since the window opened."""
+    """Joins the leader has collected since the first of them (``opened_at``).
+
+    The join window opens at ``formable_at``: the first instant the joins could
+    make a quorum (enough members for ``min_replicas`` and, with the witnesses,
+    a majority), not at the first join. A member that joined long before the
+    others (it started late and missed a round, or finished its step early)
+    would otherwise have the window closed already when the next member joins,
+    which formed a quorum without the live members a moment behind, every step
+    (quorums alternating between two halves of the replicas)."""
 
     opened_at: float
     joins: Mapping[int, JoinRequested]
+    formable_at: float | None = None
 
 
 @dataclass(frozen=True)

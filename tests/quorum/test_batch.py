@@ -60,7 +60,8 @@ def reference_on_join(s: QuorumState, sender: int, join: JoinRequested, now: flo
         lead = evolve(lead, addresses={**lead.addresses, sender: join.address})
     current = lead.round or Round(opened_at=now, joins={})
     s = evolve(s, leadership=evolve(lead, round=Round(current.opened_at,
-                                                      {**current.joins, sender: join})))
+                                                      {**current.joins, sender: join},
+                                                      current.formable_at)))
     return formation.try_form(s, now)
 
 

@@ -7,13 +7,25 @@ from dataclasses import dataclass
 import pytest
 
 from launcher.quorum.delta import answers, expand
-from launcher.quorum.model import Health, QuorumAnnounced, QuorumDeltaAnnounced, evolve
-from launcher.quorum.state import DeliverQuorum, QuorumRequested
+from launcher.quorum.model import (
+    Health,
+    HeartbeatAcked,
+    QuorumAnnounced,
+    QuorumDeltaAnnounced,
+    evolve,
+)
+from launcher.quorum.state import (
+    DeliverQuorum,
+    MessageReceived,
+    MessagesReceived,
+    QuorumRequested,
+)
 
 from .builders import (
     NOW,
     PARAMS,
     PREVIOUS_ID,
+    TERM,
     address,
     follower,
     formed,
@@ -132,14 +144,47 @@ def test_leader_answers_itself_with_the_same_quorum() -> None:
     assert delivered == [formed(actions)]
 
 
-def test_window_opens_at_the_first_join_not_at_the_last() -> None:
+def test_window_opens_once_the_joins_could_form_and_later_joins_do_not_extend_it() -> None:
     state = leader(live=ALL, previous=ALL)
     state, _ = run(state, [join(1)], now=NOW)
-    state, actions = run(state, [join(2), join(3)], now=NOW + 0.9)
+    state, _ = run(state, [join(2)], now=NOW + 0.5)  # two of five: no quorum yet
+    state, actions = run(state, [join(3)], now=NOW + 0.9)  # a majority: the window opens
+    assert formed(actions) is None and state.leadership.round.formable_at == NOW + 0.9
+    state, actions = tick(state, NOW + 1.0)  # a window from the first join would close here
     assert formed(actions) is None
-    _, actions = tick(state, NOW + 1.0)
+    state, actions = run(state, [join(4)], now=NOW + 1.5)
+    assert formed(actions) is None
+    _, actions = tick(state, NOW + 0.9 + PARAMS.join_timeout)
     quorum = formed(actions)
-    assert quorum is not None and quorum.replica_ids == (1, 2, 3)
+    assert quorum is not None and quorum.replica_ids == (1, 2, 3, 4)
+
+
+def test_members_that_waited_long_do_not_close_the_window_on_the_others() -> None:
+    """Replicas 1 and 2 joined early (one started late and missed the last round,
+    one finished its step sooner); the others join a join window later, a moment
+    apart. The quorum waits for all of them instead of forming with the first
+    three and leaving the rest to the next step, every step."""
+    state = leader(live=ALL, previous=ALL)
+    state, _ = run(state, [join(1), join(2)], now=NOW)
+    later = NOW + 1.5 * PARAMS.join_timeout
+    state, actions = run(state, [join(3)], now=later)
+    assert formed(actions) is None
+    state, actions = run(state, [join(4), QuorumRequested(10, address(0))], now=later + 0.1)
+    quorum = formed(actions)
+    assert quorum is not None and quorum.replica_ids == ALL
+
+
+def test_the_window_opens_again_when_a_joined_member_falls_silent() -> None:
+    state = leader(live=ALL, previous=ALL)
+    state, _ = run(state, [join(1), join(2), join(3)], now=NOW)
+    assert state.leadership.round.formable_at == NOW
+    # Past member_timeout only 1 has not been heard: 2 and 3 alone are no majority.
+    silent = NOW + PARAMS.member_timeout + 0.1
+    acks = tuple(MessageReceived(m, HeartbeatAcked(TERM)) for m in (2, 3, 4))
+    state, actions = run(state, [MessagesReceived(acks)], now=silent)
+    assert formed(actions) is None and state.leadership.round.formable_at is None
+    state, actions = run(state, [join(4)], now=silent)  # a majority again: a new window
+    assert formed(actions) is None and state.leadership.round.formable_at == silent
 
 
 def test_resent_join_after_the_answer_gets_the_same_answer_and_no_new_round() -> None:
