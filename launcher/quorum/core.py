@@ -94,10 +94,22 @@ def decide(state: QuorumState, event: Input, now: float) -> Outcome:
     return state, actions + more
 
 
+#: ``next_deadline``'s last answer: ``decide`` asks it of the state it returns
+#: (``_timers_due``, most followers' events) and the shell asks again to
+#: schedule the timer. A pure function's memo, by identity of its arguments.
+_last_deadline: tuple[QuorumState | None, float, float] = (None, 0.0, 0.0)
+
+
 def next_deadline(state: QuorumState, now: float) -> float:
     """When the shell must call ``decide`` with ``TimerFired`` at the latest."""
-    return min(election.election_deadline(state, now),
-               formation.formation_deadline(state, now))
+    global _last_deadline
+    last_state, last_now, deadline = _last_deadline
+    if last_state is state and last_now == now:
+        return deadline
+    deadline = min(election.election_deadline(state, now),
+                   formation.formation_deadline(state, now))
+    _last_deadline = (state, now, deadline)  # one assignment: safe beside other loops
+    return deadline
 
 
 def _on_request(s: QuorumState, request: QuorumRequested, now: float) -> Outcome:
