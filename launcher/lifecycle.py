@@ -210,14 +210,31 @@ def _training(state: ControllerState, replica_id: int) -> bool:
             and not watch.awaiting_start)
 
 
+def _recovering(state: ControllerState, replica_id: int) -> bool:
+    """Relaunched, its process started, not committed yet."""
+    watch = state.watch[replica_id]
+    return (state.run.replica(replica_id).state is ReplicaState.RECOVERING and watch.live
+            and not watch.awaiting_start)
+
+
+def _waits_for_lost(state: ControllerState, replica_id: int) -> bool:
+    """It reported training replicas lost that are not replaced yet: with too few
+    members left for a quorum (``quorum.min_replicas``, a majority) it cannot commit
+    until they are, however healthy its node."""
+    return any(reporter == replica_id and _training(state, lost)
+               for lost, reporter in state.suspects)
+
+
 def _quorum_lost(state: ControllerState, event: QuorumLostMembers) -> Decision:
     """A replica's quorum names members it lost, long before ``lost_timeout``. Its word
     alone is not enough (a partitioned leader loses everyone; a new leader, or one
     starved of CPU, may not have heard a live member in time): each lost replica that
     trains is suspected, and found lost only when the reporter commits again before it
     does while it has been silent for ``quorum.member_timeout`` in its own event file
-    too (``_committed``): the reporter trained on without it, and it did not go on."""
-    if not _training(state, event.reporter):
+    too (``_committed``): the reporter trained on without it, and it did not go on.
+    A relaunched replica's report counts too: until it is settled, that replica's
+    silence is the quorum waiting for the lost, not its node's fault (``_stalls``)."""
+    if not (_training(state, event.reporter) or _recovering(state, event.reporter)):
         return Decision(state, [], f"replica {event.reporter} reports lost {list(event.lost)}"
                                    " but does not train")
     new = [(rid, event.reporter) for rid in event.lost
@@ -404,17 +421,26 @@ def _stalls(state: ControllerState, t: float) -> list[rc.NodeFaulted]:
               and w.moving_since is not None and t - w.moving_since >= window]
     found = []
     for replica in state.run.replicas:
-        watch = state.watch[replica.replica_id]
+        rid = replica.replica_id
+        watch = state.watch[rid]
         if not watch.live:
             continue
         silent = t - watch.last_time
         recovering = replica.state is ReplicaState.RECOVERING
         limit = state.policy.start_timeout if recovering else window
-        others_moving = any(rid != replica.replica_id for rid in steady)
+        others_moving = any(other != rid for other in steady)
+        if recovering and not others_moving:
+            # Nobody trains: it needs the others to form a quorum, so its time runs
+            # from the newest (re)launch among them, and not while replicas it
+            # reported lost still await replacement (Slurm's word on their nodes).
+            if _waits_for_lost(state, rid):
+                continue
+            silent = t - max([watch.last_time, *(w.launched_at for other, w in
+                                                  enumerate(state.watch)
+                                                  if other != rid and w.live)])
         if silent > limit and (others_moving or recovering):
-            found.append(rc.NodeFaulted(replica.replica_id, replica.nodes[0],
-                                        f"replica {replica.replica_id} made no progress "
-                                        f"for {silent:.0f} s"))
+            found.append(rc.NodeFaulted(rid, replica.nodes[0],
+                                        f"replica {rid} made no progress for {silent:.0f} s"))
     return found
 
 

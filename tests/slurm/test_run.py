@@ -164,9 +164,10 @@ def training(slurm_cluster, tmp_path) -> Iterator:
     submitted: list[Training] = []
 
     def submit(replicas: int = 3, standby: int = 1, steps: int = 700, extra_nodes: int = 0,
-               ranks: int = 1, **settings: str) -> Training:
+               ranks: int = 1, nodelist: tuple[str, ...] = (), **settings: str) -> Training:
         """``ranks`` per replica (one node each): 1 keeps most tests fast; the example's
-        default of 2 (FSDP2 inside the replica) is tested where a replica node dies."""
+        default of 2 (FSDP2 inside the replica) is tested where a replica node dies.
+        ``nodelist``: the allocation's nodes exactly (else Slurm's first idle ones)."""
         runs = tmp_path / "runs"
         exports = {"PYTHON": sys.executable, "STEPS": str(steps), "SIZE": "small",
                    "REPLICAS": str(replicas), "STANDBY": str(standby),
@@ -175,6 +176,7 @@ def training(slurm_cluster, tmp_path) -> Iterator:
         job_id = slurm_cluster.sbatch(
             REPO / "etc" / "examples" / "train.sbatch", f"--chdir={REPO}",
             f"--nodes={replicas + standby + extra_nodes}", f"--output={tmp_path}/job.out",
+            *([f"--nodelist={','.join(nodelist)}"] if nodelist else []),
             "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in exports.items())]))
         run = Training(slurm_cluster, job_id, runs / job_id, tmp_path / "job.out",
                        replicas, steps, ranks)
@@ -299,9 +301,11 @@ def test_a_node_whose_gpu_corrupts_gradients_is_found_drained_and_replaced(train
     the NaN), the replica on that node names it, and after recovery.nonfinite_limit
     steps the controller drains it with an sdc reason and promotes the standby. The
     job completes, identical and exactly once."""
-    # the allocation is the first idle nodes; its batch host, the first, is the standby
-    bad = slurm_cluster.nodes[2]
-    run = training(steps=500, FTL_WORKER_INJECT=f"nan@gradients:60+@{bad}")
+    # The allocation named, not the first idle nodes (a node the last test crashed may
+    # still be on its way back): its batch host, the first, is the standby.
+    nodes = tuple(slurm_cluster.nodes[:4])
+    bad = nodes[2]
+    run = training(steps=500, nodelist=nodes, FTL_WORKER_INJECT=f"nan@gradients:60+@{bad}")
     run.wait_training(10)
     assert bad in run.replica_nodes().values(), (bad, run.replica_nodes())
     bad_replica = next(r for r, n in run.replica_nodes().items() if n == bad)

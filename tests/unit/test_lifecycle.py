@@ -202,6 +202,32 @@ def test_a_relaunched_replica_reported_lost_is_not_evicted():
     assert orders(lc.decide(reported.state, lc.StepsCommitted(0), at(3))) == []
 
 
+def test_a_relaunched_replica_waiting_for_the_replicas_it_lost_is_not_blamed():
+    """Two nodes crash and the third replica's process dies: relaunched, it reports the
+    other two lost and cannot commit without them (too few for a quorum). Its silence
+    is not its node's fault while Slurm has not yet said theirs are gone (from 24.11 a
+    lab SlurmdTimeout of 30 s, in production 300 s by default); once they are
+    replaced its start timeout runs from their launch."""
+    state, _ = started(standby=("s1", "s2"))
+    for r in range(3):
+        state = lc.decide(state, lc.StepsCommitted(r), at(1)).state
+    state = lc.decide(state, lc.StepExited(2, 137), at(2)).state           # retried in place
+    state = lc.decide(state, lc.ProcessStarted(2), at(3)).state
+    reported = lc.decide(state, lc.QuorumLostMembers(2, (0, 1)), at(4))
+    assert reported.state.suspects == ((0, 2), (1, 2))
+    waiting = lc.decide(reported.state, lc.Tick(), at(3 + 2 * POLICY.start_timeout))
+    assert orders(waiting) == []
+    gone = lc.NodesReported((("n0", "Slurm reports DOWN"), ("n1", "Slurm reports DOWN")))
+    replaced_at = 4 + 2 * POLICY.start_timeout
+    replaced = lc.decide(waiting.state, gone, at(replaced_at))
+    assert [a for a in orders(replaced) if isinstance(a, rc.PromoteStandby)] == [
+        rc.PromoteStandby(0, "s1"), rc.PromoteStandby(1, "s2")]
+    assert orders(lc.decide(replaced.state, lc.Tick(),
+                            at(replaced_at + POLICY.start_timeout))) == []
+    late = lc.decide(replaced.state, lc.Tick(), at(replaced_at + POLICY.start_timeout + 1))
+    assert lc.DiagnoseHang(2, ("n2",)) in orders(late)
+
+
 # --------------------------------------------------------------------------- hang diagnosis
 
 
