@@ -203,18 +203,21 @@ def _slowed(state: ControllerState, event: ReplicaSlowed, now: Now) -> Decision:
     return replace(decision, actions=[record, *decision.actions])
 
 
+def _started_in(state: ControllerState, replica_id: int, phase: ReplicaState) -> bool:
+    """In ``phase``, watched, and its process started since its last (re)launch."""
+    watch = state.watch[replica_id]
+    return (state.run.replica(replica_id).state is phase and watch.live
+            and not watch.awaiting_start)
+
+
 def _training(state: ControllerState, replica_id: int) -> bool:
     """Running, watched, and not (re)launched since: its commits are its own."""
-    watch = state.watch[replica_id]
-    return (state.run.replica(replica_id).state is ReplicaState.RUNNING and watch.live
-            and not watch.awaiting_start)
+    return _started_in(state, replica_id, ReplicaState.RUNNING)
 
 
 def _recovering(state: ControllerState, replica_id: int) -> bool:
     """Relaunched, its process started, not committed yet."""
-    watch = state.watch[replica_id]
-    return (state.run.replica(replica_id).state is ReplicaState.RECOVERING and watch.live
-            and not watch.awaiting_start)
+    return _started_in(state, replica_id, ReplicaState.RECOVERING)
 
 
 def _waits_for_lost(state: ControllerState, replica_id: int) -> bool:
