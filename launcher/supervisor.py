@@ -262,16 +262,17 @@ class Supervisor:
         """Each replica's new lines, in order: runs of commits (counted as one event)
         between the lines the controller acts on."""
         found: list[lc.Event] = []
+        trained: list[StepCommitted] = []
         for replica_id, tail in self.tails.items():
             commits = 0
             for event in tail.read():
                 if isinstance(event, StepCommitted):
                     commits += 1
-                    seen = [e for e in (self._paced(replica_id, event), self._spiked(event))
-                            if e is not None]
-                    if not seen:
+                    trained.append(event)
+                    slowed = self._paced(replica_id, event)
+                    if slowed is None:
                         continue
-                    found.extend([lc.StepsCommitted(replica_id, commits), *seen])
+                    found.extend([lc.StepsCommitted(replica_id, commits), slowed])
                     commits = 0
                     continue
                 if isinstance(event, WorkerStarted) and self.pace is not None:
@@ -284,6 +285,12 @@ class Supervisor:
                     commits = 0
             if commits:
                 found.append(lc.StepsCommitted(replica_id, commits))
+        # The spike watch judges a step once every replica reported it, or once the job
+        # is a few steps further (a replica died in it): so it takes this poll's losses
+        # in step order across the replicas. One replica's lines read before the others'
+        # would have the step judged on that replica's loss alone.
+        trained.sort(key=lambda commit: commit.step)
+        found.extend(spike for spike in map(self._spiked, trained) if spike is not None)
         return found
 
     def _paced(self, replica_id: int, commit: StepCommitted) -> lc.ReplicaSlowed | None:

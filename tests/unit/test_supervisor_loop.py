@@ -440,6 +440,24 @@ def written(run: Loop) -> list[object]:
     return list(read_events(run.run_dir / "controller.jsonl"))
 
 
+def test_a_spike_read_with_the_steps_after_it_is_judged_on_every_replica(loop):
+    """A poll that finds several steps of every replica (a busy controller): the
+    spiking step is judged on the losses of all three, not on the first replica's
+    file read before the others' reach it."""
+    run = loop(spike_window=10)
+    run.started(0, 1, 2)
+    loss_commits(run, {0: 2.0, 1: 2.1, 2: 1.9}, steps=20)
+    for r, loss in {0: 40.0, 1: 2.0, 2: 2.0}.items():
+        for step in range(21, 26):
+            run.worker(r, StepCommitted(replica_id=r, rank=0, step=step, quorum_id=1,
+                                        contributors=3, caught_up=False, lr_factor=1.0,
+                                        loss=loss if step == 21 else 2.0))
+    run.poll(0.1)
+    spiked = [e for e in written(run) if isinstance(e, LossSpiked)]
+    assert [(e.step, e.replicas) for e in spiked] == [(21, 3)]
+    assert spiked[0].loss == pytest.approx(44.0 / 3)
+
+
 def test_a_loss_spike_rolls_every_replica_back_without_a_failure(loop):
     """Every replica's loss jumps 20x at one step: the controller records LossSpiked and
     restarts each replica in place, every launch from then on carrying the rollback; no
