@@ -49,7 +49,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ from ftcore.ids import new_job_secret
 from launcher.quorum import (
     AgentLoop,
     FileDirectory,
-    Quorum,
+    PendingQuorum,
     QuorumAgent,
     QuorumFormed,
     Role,
@@ -155,10 +154,10 @@ def host_main(conn: Any, spec: HostSpec) -> None:
 def _round(loop: AgentLoop, agents: list[QuorumAgent], addresses: dict[int, str | None],
            step: int, t0: float, timeout: float) -> dict[str, Any]:
     finished: list[float] = []
-    futures: list[Future[Quorum]] = []
+    futures: list[PendingQuorum] = []
     everyone = threading.Event()
 
-    def done(_future: Future[Quorum]) -> None:
+    def done(_future: PendingQuorum) -> None:
         finished.append(time.monotonic())
         if len(finished) == len(agents):
             everyone.set()

@@ -30,7 +30,7 @@ A leader publishes its broadcasts once on a feed that every follower's process
 reads (``feed``), instead of sending one copy per member.
 """
 
-from .agent import QuorumAgent
+from .agent import PendingQuorum, QuorumAgent
 from .core import decide, initial_state, next_deadline
 from .directory import FileDirectory, PeerDirectory, PeerRecord, StaticDirectory
 from .errors import MajorityLostError, QuorumStoppedError, QuorumTimeoutError
@@ -50,7 +50,7 @@ from .node import QuorumStats, QuorumStatus
 __all__ = [
     "AgentLoop", "FileDirectory", "Health", "LeaderElected", "LeadershipLost",
     "MajorityLost", "MajorityLostError", "MajorityRegained", "MembersLivenessChanged",
-    "PeerDirectory", "PeerRecord", "Quorum", "QuorumAgent", "QuorumFormed", "QuorumJoined",
+    "PeerDirectory", "PeerRecord", "PendingQuorum", "Quorum", "QuorumAgent", "QuorumFormed", "QuorumJoined",
     "QuorumMember", "QuorumParams", "QuorumStats", "QuorumStatus", "QuorumStoppedError",
     "QuorumTimeoutError", "Role", "StaticDirectory", "decide", "initial_state",
     "next_deadline",

@@ -404,6 +404,8 @@ class QuorumNode:
             return
         if isinstance(action, DeliverQuorum):
             self.on_answer(action.quorum)
+            if self.emit is None:
+                return  # nothing to log or tell: a member's answer every step
         elif isinstance(action, FailQuorumRequest):
             assert self.state is not None
             votes = self.state.weight_of(frozenset(action.reachable))
