@@ -176,7 +176,7 @@ def run_ftl(rid: RunId, s: RunSettings, run_dir: Path, overlap: bool,
 
     job = LocalJob(run_dir, replicas=s.replicas, ranks=s.ranks,
                    command=ftl_command(s, sys.executable, TRAIN, reduce_dtype or s.reduce_dtype),
-                   config_env=ftl_config_env(overlap, s.threads))
+                   config_env=ftl_config_env(overlap, s.threads, s.replicas))
     error = ""
     try:
         job.start_all()

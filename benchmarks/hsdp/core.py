@@ -129,9 +129,14 @@ def ftl_command(s: RunSettings, python: str, train: Path, reduce_dtype: str) -> 
             "--seed", str(s.seed), "--threads", str(s.threads)]
 
 
-def ftl_config_env(overlap: bool, threads: int) -> dict[str, str]:
-    """``LocalJob.config_env`` of arms (b) (overlap) and (c) (reduce after backward)."""
-    env = {"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo"}
+def ftl_config_env(overlap: bool, threads: int, replicas: int) -> dict[str, str]:
+    """``LocalJob.config_env`` of arms (b) (overlap) and (c) (reduce after backward).
+    Every quorum needs all ``replicas``, as torchft's lighthouse is told (its
+    ``min_replicas``): otherwise a replica that builds the model more than the join
+    window after the others misses step 0 and catches up, and the run is not the
+    fault-free one both arms are timed on."""
+    env = {"OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo",
+           "FTL_QUORUM_MIN_REPLICAS": str(replicas)}
     if not overlap:
         env["FTL_RUNTIME_OVERLAP_BACKWARD"] = "false"
     return env

@@ -259,10 +259,12 @@ def test_the_ft_launch_arms_run_train_py_with_the_contract_flags():
 
 
 def test_no_overlap_is_the_one_config_difference():
-    overlap, no_overlap = core.ftl_config_env(True, 2), core.ftl_config_env(False, 2)
+    overlap, no_overlap = core.ftl_config_env(True, 2, 3), core.ftl_config_env(False, 2, 3)
     assert {k: v for k, v in no_overlap.items() if k not in overlap} == {
         "FTL_RUNTIME_OVERLAP_BACKWARD": "false"}
     assert overlap["OMP_NUM_THREADS"] == "2"
+    # every quorum waits for all replicas, as the torchft arm's lighthouse does
+    assert overlap["FTL_QUORUM_MIN_REPLICAS"] == "3"
 
 
 def test_the_driver_imports_no_torch():
