@@ -50,8 +50,8 @@ from .node import QuorumStats, QuorumStatus
 __all__ = [
     "AgentLoop", "FileDirectory", "Health", "LeaderElected", "LeadershipLost",
     "MajorityLost", "MajorityLostError", "MajorityRegained", "MembersLivenessChanged",
-    "PeerDirectory", "PeerRecord", "PendingQuorum", "Quorum", "QuorumAgent", "QuorumFormed", "QuorumJoined",
-    "QuorumMember", "QuorumParams", "QuorumStats", "QuorumStatus", "QuorumStoppedError",
-    "QuorumTimeoutError", "Role", "StaticDirectory", "decide", "initial_state",
-    "next_deadline",
+    "PeerDirectory", "PeerRecord", "PendingQuorum", "Quorum", "QuorumAgent", "QuorumFormed",
+    "QuorumJoined", "QuorumMember", "QuorumParams", "QuorumStats", "QuorumStatus",
+    "QuorumStoppedError", "QuorumTimeoutError", "Role", "StaticDirectory", "decide",
+    "initial_state", "next_deadline",
 ]
