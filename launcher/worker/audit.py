@@ -17,7 +17,21 @@ back. The check is exact about it: every history has its rollback lines, all
 agreeing on ``K``; each replica restarted from before ``K``; ``K`` had been
 committed; and ``F - 1`` is no newer than the newest restored state (history ``n``
 went on from a state from before the spike, not from one that a stale process
-handed it). In the history left, every sample is trained exactly once.
+handed it).
+
+A restore is in the audit too: every process of a replica appends ``{"restored": S,
+"history": n}`` as it starts, S the state it restored (-1: none; not written at the
+replica's first start). A rewind needs it.
+When every replica is lost at once no live state is left; the first replacements
+restore the newest saved state S and train step S + 1 on again with whichever
+replicas have started by then, so not necessarily as the first time; a later one
+catches up from them. Then two branches of one history committed the steps after S,
+and the run went on from one of them: the lineage of the last step, followed back
+step by step through the data positions (each step's positions before it plus its
+counts are the next step's positions before it). The lines off it are superseded, and
+the check is exact about them as well: each branch left must start just after a
+state that some replica restored. In the history left, every sample is trained
+exactly once.
 """
 
 from __future__ import annotations
@@ -42,7 +56,7 @@ class AuditSummary:
     positions: tuple[int, ...]     # samples consumed per replica
     samples: int
     rollbacks: int = 0
-    rolled_back: int = 0           # step lines superseded by a later history
+    rolled_back: int = 0           # step lines superseded by a later history or branch
 
 
 class AuditLog:
@@ -56,6 +70,14 @@ class AuditLog:
         self._append({"step": step, "quorum_id": quorum_id, "time": time.time(),
                       "positions_before": positions_before, "counts": counts,
                       "history": history})
+
+    def restored(self, step: int, history: int) -> None:
+        """This process starts from the state of ``step`` (-1: from nothing). Not at the
+        replica's first start, which has nothing to explain (and a dispute at step 0
+        would be taken for a rewind)."""
+        if step < 0 and not self.path.exists():
+            return
+        self._append({"restored": step, "history": history, "time": time.time()})
 
     def rollback(self, history: int, before_step: int, restored_step: int) -> None:
         """This replica restarted in ``history`` from ``restored_step``; once per history
@@ -117,11 +139,22 @@ class _Rollback:
     source: str
 
 
-def _read(run_dir: Path) -> tuple[list[_StepLine], list[_Rollback]]:
-    steps, rollbacks = [], []
+@dataclass(frozen=True)
+class _Read:
+    steps: list[_StepLine]
+    rollbacks: list[_Rollback]
+    restored: set[int]          # every state some process restored (-1: none)
+
+
+def _read(run_dir: Path) -> _Read:
+    found = _Read([], [], set())
+    steps, rollbacks = found.steps, found.rollbacks
     for path in sorted((run_dir / "audit").glob("replica-*.jsonl")):
         for record in _parse(path.read_text(encoding="utf-8"), path.name):
             try:
+                if "restored" in record:
+                    found.restored.add(int(record["restored"]))
+                    continue
                 if "rollback" in record:
                     rollbacks.append(_Rollback(int(record["rollback"]),
                                                int(record["before_step"]),
@@ -133,7 +166,7 @@ def _read(run_dir: Path) -> tuple[list[_StepLine], list[_Rollback]]:
                      "counts": record["counts"]}, path.name))
             except (KeyError, TypeError, ValueError) as error:
                 raise AuditError(f"{path.name}: a line lacks {error}: {record}") from None
-    return steps, rollbacks
+    return found
 
 
 def _first_steps(lines: list[_StepLine], rollbacks: list[_Rollback]) -> dict[int, int]:
@@ -172,39 +205,73 @@ def _first_steps(lines: list[_StepLine], rollbacks: list[_Rollback]) -> dict[int
     return first
 
 
-def _history_left(lines: list[_StepLine], first: dict[int, int]
+def _history_left(lines: list[_StepLine], first: dict[int, int], restored: set[int]
                   ) -> tuple[dict[int, dict[str, list[int]]], int]:
-    """The committed steps that no later history superseded, merged by step; and how
-    many lines were superseded."""
-    merged: dict[int, tuple[int, dict[str, list[int]], str]] = {}
-    superseded = 0
-    for line in lines:
-        if any(history > line.history and line.step >= start
-               for history, start in first.items()):
-            superseded += 1
-            continue
-        previous = merged.setdefault(line.step, (line.history, line.entry, line.source))
-        if previous[1] != line.entry:
-            raise AuditError(f"replicas disagree on step {line.step}: {previous[1]} "
-                             f"({previous[2]}, history {previous[0]}) vs {line.entry} "
-                             f"({line.source}, history {line.history})", step=line.step)
-    return {step: entry for step, (_, entry, _) in merged.items()}, superseded
+    """The committed steps that no later history superseded and that the run went on
+    from, by step; and how many lines were superseded."""
+    kept = [line for line in lines
+            if not any(history > line.history and line.step >= start
+                       for history, start in first.items())]
+    superseded = len(lines) - len(kept)
+    by_step: dict[int, list[_StepLine]] = {}
+    for line in kept:
+        by_step.setdefault(line.step, []).append(line)
+    lineage = _lineage(by_step)
+    branch: list[_StepLine] = []            # the lines off the lineage, step by step
+    for step in sorted(by_step):
+        off = [line for line in by_step[step] if line.entry != lineage[step].entry]
+        if off and not branch and step - 1 not in restored:
+            raise AuditError(f"replicas disagree on step {step}: {_where(lineage[step])} vs "
+                             f"{_where(off[0])}, and no replica restored step {step - 1}",
+                             step=step)
+        branch = off
+        superseded += len(off)
+    return {step: line.entry for step, line in lineage.items()}, superseded
+
+
+def _lineage(by_step: dict[int, list[_StepLine]]) -> dict[int, _StepLine]:
+    """A line of each step that the last step goes on from, followed back through the
+    data positions; where the steps are not in one run the gap is left to the check."""
+    lineage: dict[int, _StepLine] = {}
+    after: _StepLine | None = None
+    for step in sorted(by_step, reverse=True):
+        entries = {json.dumps(line.entry, sort_keys=True): line for line in by_step[step]}
+        if after is not None and after.step == step + 1 and len(entries) > 1:
+            goes_on = {key: line for key, line in entries.items()
+                       if _end(line) == after.entry["positions_before"]}
+            entries = goes_on or entries
+        if len(entries) > 1:
+            lines = sorted(entries.values(), key=lambda line: line.source)
+            raise AuditError(f"replicas disagree on step {step}: {_where(lines[0])} vs "
+                             f"{_where(lines[1])}", step=step)
+        lineage[step] = after = next(iter(entries.values()))
+    return lineage
+
+
+def _end(line: _StepLine) -> list[int]:
+    return [p + c for p, c in zip(line.entry["positions_before"], line.entry["counts"],
+                                  strict=False)]
+
+
+def _where(line: _StepLine) -> str:
+    return f"{line.entry} ({line.source}, history {line.history})"
 
 
 def audit_records(run_dir: Path) -> dict[int, dict[str, list[int]]]:
     """Committed steps from every replica's audit log, merged by step, without the
     ones a rollback superseded."""
-    lines, rollbacks = _read(run_dir)
-    return _history_left(lines, _first_steps(lines, rollbacks))[0]
+    found = _read(run_dir)
+    return _history_left(found.steps, _first_steps(found.steps, found.rollbacks),
+                         found.restored)[0]
 
 
 def check_exactly_once(run_dir: Path, replicas: int, steps: int | None = None) -> AuditSummary:
     """Raise ``AuditError`` unless steps 0..N-1 are all committed and every replica's
     samples were consumed as one run from 0 with nothing skipped or repeated, in the
-    history left after the rollbacks (each checked: module doc)."""
-    lines, rollbacks = _read(run_dir)
-    first = _first_steps(lines, rollbacks)
-    records, superseded = _history_left(lines, first)
+    history left after the rollbacks and rewinds (each checked: module doc)."""
+    found = _read(run_dir)
+    first = _first_steps(found.steps, found.rollbacks)
+    records, superseded = _history_left(found.steps, first, found.restored)
     expected = list(range(steps if steps is not None else len(records)))
     if sorted(records) != expected:
         missing = sorted(set(expected) - set(records))

@@ -206,9 +206,11 @@ class Manager:
                                                  on_lost=self._end_if_stuck).start()
                            if identity.rank == 0 and identity.heartbeat is not None else None)
         self._restore_persistent()
-        if self._audit is not None and self._rollbacks.history:
-            self._audit.rollback(self._rollbacks.history, self._rollbacks.before[-1],
-                                 self._next_step - 1)
+        if self._audit is not None:
+            if self._rollbacks.history:
+                self._audit.rollback(self._rollbacks.history, self._rollbacks.before[-1],
+                                     self._next_step - 1)
+            self._audit.restored(self._next_step - 1, self._rollbacks.history)
         self._events.emit(WorkerStarted(replica_id=identity.replica_id, rank=identity.rank,
                                        next_step=self._next_step))
 

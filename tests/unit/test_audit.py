@@ -1,6 +1,7 @@
 """The exactly-once audit (``launcher.worker.audit``) over real audit files, with and
-without rollbacks: the history after a rollback supersedes the steps it trained
-again, and the check is exact about the rollback itself."""
+without rollbacks and rewinds: the history after a rollback supersedes the steps it
+trained again, the branch a rewind went on from supersedes the one it left, and the
+check is exact about the rollback and the rewind themselves."""
 
 from __future__ import annotations
 
@@ -104,3 +105,61 @@ def test_a_rollback_of_a_step_never_committed_or_disputed_fails(tmp_path):
     train(audits, range(8, 20), history=1)
     with pytest.raises(AuditError, match=r"different spiking steps \[10, 11\]"):
         check_exactly_once(other, 3, 20)
+
+
+def rewound(run_dir: Path, restored: int = 7, upto: int = 13) -> list[AuditLog]:
+    """Replicas 0 and 1 trained to ``upto - 1`` in quorum 1 and were lost; replica 1
+    restarted first from step ``restored`` and trained on alone in quorum 2, replica 0
+    catching up from it in quorum 3 (it restored the same state first)."""
+    audits = logs(run_dir, replicas=2)
+    for step in range(upto):
+        for audit in audits:
+            audit.step(step, 1, [BATCH * step] * 2, [BATCH] * 2, 0)
+    for audit in audits:
+        audit.restored(restored, 0)
+    before = [BATCH * (restored + 1)] * 2
+    for step in range(restored + 1, restored + 4):     # replica 1 alone: replica 0 stays
+        audits[1].step(step, 2, list(before), [0, BATCH], 0)
+        before[1] += BATCH
+    for step in range(restored + 4, 20):
+        for audit in audits:
+            audit.step(step, 3, list(before), [BATCH] * 2, 0)
+        before = [b + BATCH for b in before]
+    return audits
+
+
+def test_the_branch_the_run_went_on_from_after_a_restore_supersedes_the_other(tmp_path):
+    rewound(tmp_path)
+    summary = check_exactly_once(tmp_path, 2, 20)
+    assert (summary.rollbacks, summary.rolled_back) == (0, 2 * 5)       # steps 8..12 of 2
+    assert summary.positions == (20 * BATCH - 3 * BATCH, 20 * BATCH)
+    assert sorted(audit_records(tmp_path)) == list(range(20))
+
+
+def test_steps_trained_again_after_no_restore_fail(tmp_path):
+    """Without a restore of step 7 nothing explains the second branch from step 8: the
+    replicas disagree."""
+    rewound(tmp_path)
+    for replica in range(2):
+        path = tmp_path / "audit" / f"replica-{replica}.jsonl"
+        path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                                if '"restored"' not in line))
+    with pytest.raises(AuditError, match="disagree on step 8: .*, and no replica restored "
+                                         "step 7"):
+        check_exactly_once(tmp_path, 2, 20)
+
+
+def test_a_line_of_the_lost_branch_after_the_rewind_is_caught(tmp_path):
+    """Replica 0's process from before the rewind went on past it (a stale process that
+    Slurm had not ended): the step it alone committed does not join up."""
+    audits = rewound(tmp_path)
+    audits[0].step(20, 1, [BATCH * 20] * 2, [BATCH] * 2, 0)
+    with pytest.raises(AuditError, match="step 20 starts at positions"):
+        check_exactly_once(tmp_path, 2, 21)
+
+
+def test_two_branches_after_the_last_step_left_are_a_dispute(tmp_path):
+    audits = rewound(tmp_path)
+    audits[0].step(19, 3, [BATCH * 19] * 2, [0, BATCH], 0)
+    with pytest.raises(AuditError, match="disagree on step 19"):
+        check_exactly_once(tmp_path, 2, 20)

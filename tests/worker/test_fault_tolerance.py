@@ -11,6 +11,7 @@ import socket
 
 import pytest
 
+from launcher.worker.audit import check_exactly_once
 from launcher.worker.local import LocalJob
 from tests.waiting import patience, wait_until
 
@@ -139,6 +140,36 @@ def test_two_replicas_fail_at_once(tmp_path):
         job.stop_everything()
     assert any(e.contributors == 3 for e in job.committed(0))
     assert_kept_stepping(job, 0)
+
+
+def test_every_replica_lost_at_once_trains_on_from_the_persistent_step(tmp_path):
+    """No live state is left: two of the three restart first, restore the newest
+    persisted step and train the steps after it again without the third, so not as
+    they were first trained; the third catches up from them. The audit goes by the
+    restores: in the history left nothing is skipped or trained twice, and every
+    replica ends identical."""
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, FTL_CKPT_PERSIST_EVERY="10")
+    job.start_all({r: "kill@after_commit:15" for r in range(3)})
+    try:
+        for replica in range(3):
+            wait_until(lambda r=replica: job.current(r).poll() is not None, 120,
+                       f"replica {replica} to die at step 15")
+        job.start(0)
+        job.start(1)
+        wait_until(lambda: len(job.committed(0)) >= 16 + 10, 120,
+                   "replicas 0 and 1 to train on without replica 2")
+        job.start(2)
+        finish_and_check(job, LONG_RUN)
+    finally:
+        job.stop_everything()
+    steps = [e.step for e in job.committed(0)]
+    again = steps.index(steps[16])           # the first step after the loss, first time
+    assert steps[:16] == list(range(16)) and steps[16] <= 15, steps[:30]
+    first, second = job.committed(0)[again], job.committed(0)[16]
+    assert (first.contributors, second.contributors) == (3, 2), (first, second)
+    summary = check_exactly_once(job.run_dir, 3, LONG_RUN)
+    # the lost branch: steps[16]..15, committed by all three
+    assert summary.rolled_back == 3 * (16 - steps[16]), (summary, steps[:30])
 
 
 def hang_resume_and_finish(job: LocalJob, point: str, last_committed: int) -> None:
