@@ -148,12 +148,15 @@ def test_every_replica_lost_at_once_trains_on_from_the_persistent_step(tmp_path)
     they were first trained; the third catches up from them. The audit goes by the
     restores: in the history left nothing is skipped or trained twice, and every
     replica ends identical."""
-    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, FTL_CKPT_PERSIST_EVERY="10")
+    # all three in every quorum at first (none left out by a slow start), then two
+    job = loopback_job(tmp_path, replicas=3, steps=LONG_RUN, FTL_CKPT_PERSIST_EVERY="10",
+                       FTL_QUORUM_MIN_REPLICAS="3")
     job.start_all({r: "kill@after_commit:15" for r in range(3)})
     try:
         for replica in range(3):
             wait_until(lambda r=replica: job.current(r).poll() is not None, 120,
                        f"replica {replica} to die at step 15")
+        job.config_env = {**job.config_env, "FTL_QUORUM_MIN_REPLICAS": "2"}
         job.start(0)
         job.start(1)
         wait_until(lambda: len(job.committed(0)) >= 16 + 10, 120,
