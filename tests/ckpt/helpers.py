@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,34 +71,3 @@ class GatedSource:
             if not self.release.wait(timeout=30):
                 raise RuntimeError("test never released the gated copy")
         self._inner.copy_into(index, dest)
-
-
-def newest_audit_records(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """A run's audit (``run_dir/audit``) with a rollback in it: per step, the newest
-    commit wins. After a restore to step X the steps after X are trained again, with
-    other contributors maybe (a catching-up replica counts nothing), and the history
-    that survives is the newer one."""
-    newest: dict[int, dict[str, Any]] = {}
-    for path in sorted((run_dir / "audit").glob("replica-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # the last line of a writer killed mid-line
-            if record["step"] not in newest or record["time"] > newest[record["step"]]["time"]:
-                newest[record["step"]] = record
-    return newest
-
-
-def every_sample_once_after_rollback(run_dir: Path, steps: int, replicas: int) -> list[int]:
-    """Assert the surviving history trained steps 0..steps-1 and every replica's
-    samples gaplessly from 0 without overlap; the final positions."""
-    records = newest_audit_records(run_dir)
-    assert sorted(records) == list(range(steps)), sorted(set(range(steps)) ^ set(records))[:10]
-    positions = [0] * replicas
-    for step in range(steps):
-        assert records[step]["positions_before"] == positions, (
-            f"step {step} starts at {records[step]['positions_before']}, the steps before "
-            f"it end at {positions}")
-        positions = [p + c for p, c in zip(positions, records[step]["counts"])]
-    return positions

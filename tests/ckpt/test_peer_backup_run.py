@@ -17,12 +17,11 @@ from ckpt.held import HeldFiles
 from ckpt.persist import PersistentStore
 from ckpt.restore import TierKind
 from launcher.worker import events as worker_events
+from launcher.worker.audit import check_exactly_once
 from launcher.worker.identity import ENV_HOST
 from launcher.worker.local import LocalJob
 from tests.waiting import patience, wait_until
 from tests.worker.harness import loopback_job
-
-from .helpers import every_sample_once_after_rollback
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -86,7 +85,7 @@ def test_a_job_that_lost_every_replica_resumes_from_the_peer_copies(tmp_path):
     assert resumed and resumed[0].next_step > max(persisted, default=-1) + 1
     finals = job.finals()
     assert len({f["state_sha256"] for f in finals.values()}) == 1, finals
-    positions = every_sample_once_after_rollback(tmp_path, steps, 3)
+    positions = list(check_exactly_once(tmp_path, 3, steps).positions)
     assert all(f["positions"] == positions for f in finals.values())
     # the run finished: the nodes' held backups are gone
     assert not any((tmp_path / "shm").iterdir())

@@ -34,7 +34,7 @@ from ckpt.persist import PersistentStore
 from ckpt.restore import TierKind
 from launcher.reporting.runlog import commits
 from launcher.worker import events as worker_events
-from tests.ckpt.helpers import every_sample_once_after_rollback
+from launcher.worker.audit import check_exactly_once
 from tests.cluster import labcluster
 from tests.slurm.test_run import Training, crash, training  # noqa: F401 (fixture)
 from tests.waiting import wait_until
@@ -118,7 +118,7 @@ def test_a_lost_majority_resumes_from_the_peer_copy_newer_than_the_persistent_ti
         assert resumed[0].caught_up and resumed[0].step == event.step + 1, resumed[0]
     finals = [json.loads(p.read_text()) for p in (run.run_dir / "final").glob("*.json")]
     assert len(finals) == 3 and len({f["state_sha256"] for f in finals}) == 1, finals
-    positions = every_sample_once_after_rollback(run.run_dir, run.steps, 3)
+    positions = list(check_exactly_once(run.run_dir, 3, run.steps).positions)
     assert all(f["positions"] == positions for f in finals)
     # the run finished: the live nodes' workers freed the backups they held
     assert not held.exists()
