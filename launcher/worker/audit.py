@@ -21,8 +21,8 @@ handed it).
 
 A restore is in the audit too: every process of a replica appends ``{"restored": S,
 "history": n}`` as it starts, S the state it restored (-1: none; not written at the
-replica's first start). A rewind needs it.
-When every replica is lost at once no live state is left; the first replacements
+replica's first start). A rewind needs it. When every replica is lost at once no live
+state is left; the first replacements
 restore the newest saved state S and train step S + 1 on again with whichever
 replicas have started by then, so not necessarily as the first time; a later one
 catches up from them. Then two branches of one history committed the steps after S,
