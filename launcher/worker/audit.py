@@ -21,17 +21,16 @@ handed it).
 
 A restore is in the audit too: every process of a replica appends ``{"restored": S,
 "history": n}`` as it starts, S the state it restored (-1: none; not written at the
-replica's first start). A rewind needs it. When every replica is lost at once no live
-state is left; the first replacements
-restore the newest saved state S and train step S + 1 on again with whichever
-replicas have started by then, so not necessarily as the first time; a later one
-catches up from them. Then two branches of one history committed the steps after S,
-and the run went on from one of them: the lineage of the last step, followed back
-step by step through the data positions (each step's positions before it plus its
-counts are the next step's positions before it). The lines off it are superseded, and
-the check is exact about them as well: each branch left must start just after a
-state that some replica restored. In the history left, every sample is trained
-exactly once.
+replica's first start). A rewind needs it. When every replica is lost at once no
+live state is left; the first replacements restore the newest saved state S and
+train step S + 1 on again with whichever replicas have started by then, so not
+necessarily as the first time; a later one catches up from them. Then two branches
+of one history committed the steps after S, and the run went on from one of them:
+the lineage of the last step, followed back step by step through the data positions
+(each step's positions before it plus its counts are the next step's positions
+before it). The lines off it are superseded, and the check is exact about them as
+well: each branch left must start just after a state that some replica restored. In
+the history left, every sample is trained exactly once.
 """
 
 from __future__ import annotations
@@ -147,13 +146,14 @@ class _Read:
 
 
 def _read(run_dir: Path) -> _Read:
-    found = _Read([], [], set())
-    steps, rollbacks = found.steps, found.rollbacks
+    steps: list[_StepLine] = []
+    rollbacks: list[_Rollback] = []
+    restored: set[int] = set()
     for path in sorted((run_dir / "audit").glob("replica-*.jsonl")):
         for record in _parse(path.read_text(encoding="utf-8"), path.name):
             try:
                 if "restored" in record:
-                    found.restored.add(int(record["restored"]))
+                    restored.add(int(record["restored"]))
                     continue
                 if "rollback" in record:
                     rollbacks.append(_Rollback(int(record["rollback"]),
@@ -166,7 +166,7 @@ def _read(run_dir: Path) -> _Read:
                      "counts": record["counts"]}, path.name))
             except (KeyError, TypeError, ValueError) as error:
                 raise AuditError(f"{path.name}: a line lacks {error}: {record}") from None
-    return found
+    return _Read(steps, rollbacks, restored)
 
 
 def _first_steps(lines: list[_StepLine], rollbacks: list[_Rollback]) -> dict[int, int]:
@@ -257,21 +257,26 @@ def _where(line: _StepLine) -> str:
     return f"{line.entry} ({line.source}, history {line.history})"
 
 
+def _history(run_dir: Path) -> tuple[dict[int, dict[str, list[int]]], int, int]:
+    """The history left (``_history_left``), how many lines it superseded, and how many
+    rollbacks it went through."""
+    found = _read(run_dir)
+    first = _first_steps(found.steps, found.rollbacks)
+    records, superseded = _history_left(found.steps, first, found.restored)
+    return records, superseded, len(first)
+
+
 def audit_records(run_dir: Path) -> dict[int, dict[str, list[int]]]:
     """Committed steps from every replica's audit log, merged by step, without the
-    ones a rollback superseded."""
-    found = _read(run_dir)
-    return _history_left(found.steps, _first_steps(found.steps, found.rollbacks),
-                         found.restored)[0]
+    ones a rollback or a rewind superseded."""
+    return _history(run_dir)[0]
 
 
 def check_exactly_once(run_dir: Path, replicas: int, steps: int | None = None) -> AuditSummary:
     """Raise ``AuditError`` unless steps 0..N-1 are all committed and every replica's
     samples were consumed as one run from 0 with nothing skipped or repeated, in the
     history left after the rollbacks and rewinds (each checked: module doc)."""
-    found = _read(run_dir)
-    first = _first_steps(found.steps, found.rollbacks)
-    records, superseded = _history_left(found.steps, first, found.restored)
+    records, superseded, rollbacks = _history(run_dir)
     expected = list(range(steps if steps is not None else len(records)))
     if sorted(records) != expected:
         missing = sorted(set(expected) - set(records))
@@ -286,5 +291,5 @@ def check_exactly_once(run_dir: Path, replicas: int, steps: int | None = None) -
                              "or trained twice", step=step)
         for replica, count in enumerate(record["counts"]):
             positions[replica] += count
-    return AuditSummary(len(expected), tuple(positions), sum(positions), len(first),
+    return AuditSummary(len(expected), tuple(positions), sum(positions), rollbacks,
                         superseded)
