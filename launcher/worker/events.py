@@ -59,13 +59,13 @@ class ControllerLost(Event):
 
 
 @dataclass(frozen=True)
-class AllocationEnded(Event):
+class AllocationEnding(Event):
     """After the controller was lost: the newest state saved (``saved_step``, None if
-    this replica saved nothing) and the job requeued or cancelled (``outcome``)."""
+    this replica saved nothing), written just before the job is requeued (or cancelled
+    if it cannot be). Not after: the requeue ends this process with the rest of the job."""
 
     replica_id: int
     saved_step: int | None
-    outcome: str
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from launcher.quorum.witness_service import run_witnesses
 from .audit import AuditLog
 from .controller_loss import ControllerLostNotice, end_allocation, saver_of, wait_job_ended
 from .events import (
-    AllocationEnded,
+    AllocationEnding,
     ControllerLost,
     StateRestored,
     StepCommitted,
@@ -569,10 +569,9 @@ class Manager:
         if me.rank == 0:
             log.error("controller lost (%s): step %s saved to the persistent tier; ending "
                       "the allocation", reason, saved if saved_by_all else "none")
+            self._events.emit(AllocationEnding(replica_id=me.replica_id,
+                                              saved_step=saved if saved_by_all else None))
             outcome = end_allocation(slurm, me.job_id)
-            self._events.emit(AllocationEnded(replica_id=me.replica_id,
-                                             saved_step=saved if saved_by_all else None,
-                                             outcome=outcome))
         raise TerminalAbort(f"controller lost: {reason}; {outcome}")
 
     def _end_if_stuck(self, reason: str) -> None:

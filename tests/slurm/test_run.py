@@ -469,8 +469,8 @@ def test_losing_the_batch_host_requeues_the_job_and_it_resumes_from_the_newest_s
     # Bound: the workers' wait, their save and Slurm's requeue (its commands get 30 s).
     wait_until(lambda: run.cluster.slurm.job(run.job_id).restarts >= 1,
                controller_timeout + 30 + 30, "the workers to requeue the job")
-    (ended,) = run.worker_events(worker_events.AllocationEnded)
-    assert ended.outcome == f"job {run.job_id} requeued" and ended.saved_step is not None
+    (ended,) = run.worker_events(worker_events.AllocationEnding)
+    assert ended.saved_step is not None
     # the lowest replica of the last quorum saved and requeued; the others saw it and
     # wrote nothing
     assert ended.replica_id == 0
