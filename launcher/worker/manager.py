@@ -564,13 +564,12 @@ class Manager:
             log.error("job %s still runs: this replica saves the state and requeues it",
                       me.job_id)
         saved = self._persist_newest()
-        saved_by_all = self._group.all_true(saved is not None)
+        saved_step = saved if self._group.all_true(saved is not None) else None
         outcome = "nothing to save"
         if me.rank == 0:
             log.error("controller lost (%s): step %s saved to the persistent tier; ending "
-                      "the allocation", reason, saved if saved_by_all else "none")
-            self._events.emit(AllocationEnding(replica_id=me.replica_id,
-                                              saved_step=saved if saved_by_all else None))
+                      "the allocation", reason, "none" if saved_step is None else saved_step)
+            self._events.emit(AllocationEnding(replica_id=me.replica_id, saved_step=saved_step))
             outcome = end_allocation(slurm, me.job_id)
         raise TerminalAbort(f"controller lost: {reason}; {outcome}")
 
