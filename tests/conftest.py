@@ -21,6 +21,9 @@ from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: --end-by and --run-first, for running part of a tier within CI's time.
+pytest_plugins = ["tests.budget"]
+
 
 @dataclass
 class LabCluster:
