@@ -70,7 +70,7 @@ def persisted_steps(run: Training) -> list[int]:
 
 def test_a_lost_majority_resumes_from_the_peer_copy_newer_than_the_persistent_tier(
         training):  # noqa: F811 (the fixture imported above)
-    run = training(replicas=3, standby=2, steps=900,
+    run = training(replicas=3, standby=2, steps=300,
                    FTL_CKPT_PERSIST_EVERY=str(PERSIST_EVERY),
                    FTL_CKPT_BACKUP_EVERY=str(BACKUP_EVERY), FTL_QUORUM_MIN_REPLICAS="3")
     try:

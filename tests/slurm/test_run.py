@@ -65,6 +65,12 @@ FAST_DETECTION = {
     # survivors of a lost majority wait (paced, ~1 s a try) for the others to come back
     "FTL_RUNTIME_MAX_CONSECUTIVE_FAILURES": "60",
     "FTL_CKPT_PERSIST_EVERY": "100000"}
+#: Each step padded to at least this long (train.py --min-step-seconds): a run of N
+#: steps lasts at least N x PACE_S however fast the machine, long enough for the
+#: recovery it is there to show, while on a slow machine, whose steps take longer
+#: than this anyway, it lasts no longer than it must (unpadded step counts sized for a
+#: fast machine ran past the tests' timeouts on a slow one).
+PACE_S = 0.4
 
 
 @contextmanager
@@ -163,15 +169,17 @@ def training(slurm_cluster, tmp_path) -> Iterator:
     """Submit the example training; afterwards cancel it and heal every crashed node."""
     submitted: list[Training] = []
 
-    def submit(replicas: int = 3, standby: int = 1, steps: int = 700, extra_nodes: int = 0,
-               ranks: int = 1, nodelist: tuple[str, ...] = (), **settings: str) -> Training:
+    def submit(replicas: int = 3, standby: int = 1, steps: int = 250, extra_nodes: int = 0,
+               ranks: int = 1, nodelist: tuple[str, ...] = (), pace_s: float = PACE_S,
+               **settings: str) -> Training:
         """``ranks`` per replica (one node each): 1 keeps most tests fast; the example's
         default of 2 (FSDP2 inside the replica) is tested where a replica node dies.
-        ``nodelist``: the allocation's nodes exactly (else Slurm's first idle ones)."""
+        ``nodelist``: the allocation's nodes exactly (else Slurm's first idle ones).
+        ``pace_s``: each step padded to at least this long (``PACE_S``)."""
         runs = tmp_path / "runs"
         exports = {"PYTHON": sys.executable, "STEPS": str(steps), "SIZE": "small",
                    "REPLICAS": str(replicas), "STANDBY": str(standby),
-                   "TASKS_PER_NODE": str(ranks),
+                   "TASKS_PER_NODE": str(ranks), "MIN_STEP_SECONDS": str(pace_s),
                    "FTL_RUN_LOG_DIR": str(runs), **FAST_DETECTION, **settings}
         job_id = slurm_cluster.sbatch(
             REPO / "etc" / "examples" / "train.sbatch", f"--chdir={REPO}",
@@ -231,7 +239,7 @@ def test_killed_replica_node_is_replaced_by_the_warm_standby(training, slurm_clu
 
 
 def test_two_replica_nodes_lost_at_once_get_two_standbys(training):
-    run = training(replicas=4, standby=2, steps=900)
+    run = training(replicas=4, standby=2, steps=300)
     run.wait_training(60)
     victims = run.victims(2)
     crash(*victims)
@@ -260,7 +268,7 @@ def test_promoted_node_failing_the_health_gate_passes_the_replica_on(training, s
     faults, config = simulated_gpus
     # No inspection steps: they would find the fault on the idle standby first (and evict
     # it, which is right too); here the fault lands between two inspection rounds.
-    run = training(standby=2, steps=1000, FTL_CONFIG=str(config),
+    run = training(standby=2, steps=350, FTL_CONFIG=str(config),
                    FTL_HEALTH_INSPECTION="false")
     run.wait_training(60)
     first, second = run.standby_nodes()
@@ -282,7 +290,7 @@ def test_inspection_alarm_on_a_replica_node_evicts_it(training, simulated_gpus):
     inspection step reports it, the node is drained with that reason, the standby
     promoted; no process died."""
     faults, config = simulated_gpus
-    run = training(steps=900, FTL_CONFIG=str(config),
+    run = training(steps=300, FTL_CONFIG=str(config),
                    FTL_HEALTH_INSPECTION_INTERVAL="1")
     run.wait_training(60)
     (victim,) = run.victims(1)
@@ -305,7 +313,7 @@ def test_a_node_whose_gpu_corrupts_gradients_is_found_drained_and_replaced(train
     # still be on its way back): its batch host, the first, is the standby.
     nodes = tuple(slurm_cluster.nodes[:4])
     bad = nodes[2]
-    run = training(steps=500, nodelist=nodes, FTL_WORKER_INJECT=f"nan@gradients:60+@{bad}")
+    run = training(steps=200, nodelist=nodes, FTL_WORKER_INJECT=f"nan@gradients:60+@{bad}")
     run.wait_training(10)
     assert bad in run.replica_nodes().values(), (bad, run.replica_nodes())
     bad_replica = next(r for r, n in run.replica_nodes().items() if n == bad)
@@ -327,7 +335,9 @@ def test_a_fail_slow_node_is_named_drained_and_replaced(training, slurm_cluster)
     its own part of each step grows (the others wait for it). The controller names it
     after recovery.slow_window steps, drains it and promotes the standby; the others
     never stop, and nothing is lost."""
-    run = training(FTL_RECOVERY_SLOW_WINDOW="15")
+    # Unpadded: a throttled node must be the slowest part of every step, not hidden
+    # under the others' padding.
+    run = training(steps=350, pace_s=0, FTL_RECOVERY_SLOW_WINDOW="15")
     run.wait_training(40)
     (victim,) = run.victims(1)
     victim_replica = next(r for r, n in run.replica_nodes().items() if n == victim)
@@ -346,7 +356,7 @@ def test_a_fail_slow_node_is_named_drained_and_replaced(training, slurm_cluster)
 
 
 def test_standby_node_dying_during_its_promotion_passes_the_replica_on(training):
-    run = training(standby=2, steps=1400)
+    run = training(standby=2, steps=450)
     run.wait_training(60)
     (victim,) = run.victims(1)
     crash(victim)
@@ -364,7 +374,7 @@ def test_losing_every_replica_restarts_them_in_the_allocation_from_the_checkpoin
     """The batch host runs only the controller, so both replica nodes can be crashed:
     no live state is left, both standbys are promoted and resume from the newest
     persistent checkpoint, and the job goes on without a requeue."""
-    run = training(replicas=2, standby=2, steps=700, FTL_CKPT_PERSIST_EVERY="40",
+    run = training(replicas=2, standby=2, steps=250, FTL_CKPT_PERSIST_EVERY="40",
                    FTL_JOB_BATCH_HOST="excluded", extra_nodes=1)
     run.wait_training(100)
     victims = run.victims(2)
@@ -392,14 +402,15 @@ def test_losing_every_replica_restarts_them_in_the_allocation_from_the_checkpoin
 
 def update(run: Training, *train_args: str, note: str) -> None:
     command = [sys.executable, "etc/examples/gpt/train.py", "--steps", str(run.steps),
-               "--size", "small", "--threads", "1", *train_args]
+               "--size", "small", "--threads", "1", "--min-step-seconds", str(PACE_S),
+               *train_args]
     subprocess.run([sys.executable, "-m", "launcher.cli", "update", "--run-dir", str(run.run_dir),
                     "--urgent", "--note", note, "--", *command],
                    cwd=REPO, check=True, timeout=60, capture_output=True)
 
 
 def test_hot_update_rolls_through_replicas_and_a_bad_one_is_rolled_back(training):
-    run = training(steps=1200)
+    run = training(steps=400)
     run.wait_training(40)
     update(run, "--code-tag", "v2", note="v2")
     wait_until(lambda: {e.replica_id for e in run.events(versions.CodeVersionApplied)
@@ -429,7 +440,7 @@ def reservation(slurm_cluster) -> Iterator[str]:
 @pytest.mark.parametrize("path", ["expansion", "standby_job"])
 def test_standby_held_in_a_reservation_is_promoted_and_the_pool_refilled(
         training, reservation, slurm_cluster, path):
-    run = training(standby=1, steps=900, FTL_JOB_STANDBY_MODE="reservation",
+    run = training(standby=1, steps=300, FTL_JOB_STANDBY_MODE="reservation",
                    FTL_JOB_RESERVATION=reservation, FTL_JOB_PROMOTE_BY=path,
                    extra_nodes=0)   # the standby comes from the reservation; the batch
     #                                 host (trains nothing) takes the allocation's fourth
@@ -461,7 +472,7 @@ def test_losing_the_batch_host_requeues_the_job_and_it_resumes_from_the_newest_s
     restores that step. No RUNNING allocation is left training nothing, and no sample is
     lost or trained twice."""
     controller_timeout = 10.0
-    run = training(steps=900, FTL_RUNTIME_CONTROLLER_TIMEOUT=str(controller_timeout))
+    run = training(steps=300, FTL_RUNTIME_CONTROLLER_TIMEOUT=str(controller_timeout))
     run.wait_training(40)
     batch_host = run.cluster.slurm.job(run.job_id).batch_host
     assert batch_host and batch_host not in run.replica_nodes().values()
@@ -497,12 +508,13 @@ def test_submit_from_a_login_node_survives_the_loss_of_any_compute_node(slurm_cl
     the allocation's first node can be lost; the allocation is released at the end."""
     runs = tmp_path / "runs"
     env = {**labcluster.client_env(), **FAST_DETECTION, "FTL_RUN_LOG_DIR": str(runs)}
-    steps = 700
+    steps = 250
     submitted = subprocess.run(
         [*labcluster.ctl_prefix(), sys.executable, "-m", "launcher.cli", "submit",
          "--replicas", "3", "--standby", "1", "--job-name", "ftl-login", "--", sys.executable,
          "etc/examples/gpt/train.py", "--steps", str(steps), "--size", "small",
-         "--threads", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+         "--threads", "1", "--min-step-seconds", str(PACE_S)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert submitted.returncode == 0, submitted.stderr
     job_id, pid = re.search(r"^job (\d+): controller running here \(pid (\d+)\)",
                             submitted.stdout).groups()

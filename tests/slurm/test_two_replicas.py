@@ -98,7 +98,7 @@ def test_two_replicas_without_standby_the_survivor_trains_on_alone(slurm_cluster
 
 
 def test_two_replicas_and_a_standby_the_replacement_catches_up_and_rejoins(training):
-    run = training(replicas=2, standby=1, steps=STEPS)
+    run = training(replicas=2, standby=1, steps=250)   # paced: test_run.PACE_S
     run.wait_training(40)
     assert_witness_voted(run)
     (victim,) = run.victims(1)

@@ -105,6 +105,11 @@ def main() -> int:
                         help="cuda: this rank's GPU (LOCAL_RANK of the GPUs it sees)")
     parser.add_argument("--code-tag", default="",
                         help="a label for this code version, kept in the final record")
+    parser.add_argument("--min-step-seconds", type=float, default=0.0,
+                        help="pad each step to at least this long, as a bigger model's "
+                             "compute would (default 0: no padding); the lab cluster's "
+                             "tests use it so a run outlasts a recovery on a fast machine "
+                             "without running for minutes on a slow one")
     args = parser.parse_args()
     configure_logging("INFO")
     if args.threads:
@@ -131,6 +136,7 @@ def main() -> int:
     started = time.monotonic()
     try:
         while manager.next_step < args.steps:
+            step_started = time.monotonic()
             optimizer.zero_grad()       # starts the step: the quorum is asked beside forward
             # This rank's part of the replica's next batch (a catching-up replica's
             # gradients count for nothing: it learns only when the quorum answers).
@@ -148,6 +154,8 @@ def main() -> int:
                 log.info("replica %d step %d loss %.4f quorum %d %s %.2f steps/s",
                          me.replica_id, plan.step, loss_value, plan.quorum_id,
                          plan.kind.value, (plan.step + 1) / max(elapsed, 1e-9))
+            # After the commit: the pad stands for compute, which no vote waits on.
+            time.sleep(max(0.0, step_started + args.min_step_seconds - time.monotonic()))
         final = {"replica_id": me.replica_id, "rank": me.rank, "step": manager.next_step - 1,
                  "loss": loss_value, "state_sha256": state_hash(model, optimizer.optimizer),
                  "positions": manager.positions, "code_tag": args.code_tag}
