@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tests.cluster import labcluster
-from tests.slurm.test_run import FAST_DETECTION, REPO, Training
+from tests.slurm.test_run import FAST_DETECTION, REPO, Training, train_command
 from tests.waiting import wait_until
 
 
@@ -33,8 +33,7 @@ def submitted(cluster, tmp_path: Path, *, replicas: int, standby: int, steps: in
     done = subprocess.run(
         [*labcluster.ctl_prefix(), sys.executable, "-m", "launcher.cli", "submit",
          "--replicas", str(replicas), "--standby", str(standby), "--job-name", "ftl-login",
-         "--", sys.executable, "etc/examples/gpt/train.py", "--steps", str(steps),
-         "--size", "small", "--threads", "1"],
+         "--", *train_command(steps, pace_s=0)],
         check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     job_id, pid = re.search(r"^job (\d+): controller running here \(pid (\d+)\)",

@@ -73,6 +73,12 @@ FAST_DETECTION = {
 PACE_S = 0.4
 
 
+def train_command(steps: int, *args: str, pace_s: float = PACE_S) -> list[str]:
+    """The example training as the tests run it outside ``train.sbatch``."""
+    return [sys.executable, "etc/examples/gpt/train.py", "--steps", str(steps), "--size",
+            "small", "--threads", "1", "--min-step-seconds", str(pace_s), *args]
+
+
 @contextmanager
 def whole_cluster_job(cluster, tmp_path: Path, exports: dict[str, str], replicas: int,
                       steps: int, ranks: int = 1) -> Iterator[Training]:
@@ -401,11 +407,8 @@ def test_losing_every_replica_restarts_them_in_the_allocation_from_the_checkpoin
 
 
 def update(run: Training, *train_args: str, note: str) -> None:
-    command = [sys.executable, "etc/examples/gpt/train.py", "--steps", str(run.steps),
-               "--size", "small", "--threads", "1", "--min-step-seconds", str(PACE_S),
-               *train_args]
     subprocess.run([sys.executable, "-m", "launcher.cli", "update", "--run-dir", str(run.run_dir),
-                    "--urgent", "--note", note, "--", *command],
+                    "--urgent", "--note", note, "--", *train_command(run.steps, *train_args)],
                    cwd=REPO, check=True, timeout=60, capture_output=True)
 
 
@@ -511,9 +514,8 @@ def test_submit_from_a_login_node_survives_the_loss_of_any_compute_node(slurm_cl
     steps = 250
     submitted = subprocess.run(
         [*labcluster.ctl_prefix(), sys.executable, "-m", "launcher.cli", "submit",
-         "--replicas", "3", "--standby", "1", "--job-name", "ftl-login", "--", sys.executable,
-         "etc/examples/gpt/train.py", "--steps", str(steps), "--size", "small",
-         "--threads", "1", "--min-step-seconds", str(PACE_S)],
+         "--replicas", "3", "--standby", "1", "--job-name", "ftl-login", "--",
+         *train_command(steps)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert submitted.returncode == 0, submitted.stderr
     job_id, pid = re.search(r"^job (\d+): controller running here \(pid (\d+)\)",

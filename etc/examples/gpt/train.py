@@ -154,8 +154,8 @@ def main() -> int:
                 log.info("replica %d step %d loss %.4f quorum %d %s %.2f steps/s",
                          me.replica_id, plan.step, loss_value, plan.quorum_id,
                          plan.kind.value, (plan.step + 1) / max(elapsed, 1e-9))
-            # After the commit: the pad stands for compute, which no vote waits on.
-            time.sleep(max(0.0, step_started + args.min_step_seconds - time.monotonic()))
+            if args.min_step_seconds:  # after the commit: it stands for compute
+                time.sleep(max(0.0, step_started + args.min_step_seconds - time.monotonic()))
         final = {"replica_id": me.replica_id, "rank": me.rank, "step": manager.next_step - 1,
                  "loss": loss_value, "state_sha256": state_hash(model, optimizer.optimizer),
                  "positions": manager.positions, "code_tag": args.code_tag}
