@@ -163,6 +163,19 @@ def count_params(config: Mapping[str, int]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def cpu_facts() -> dict[str, Any]:
+    """The CPU's vector capability and whether oneDNN computes bf16 natively on it
+    (AVX512-BF16 or AMX). Without, torch emulates bf16 matmuls on the CPU, several
+    times slower than fp32: the arms still compare alike, but every run is that
+    much longer and the 100M arm's steps take minutes."""
+    import torch
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = None
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_bf16_native": native}
+
+
 # ---------------------------------------------------------------- running
 
 
@@ -241,6 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         plans = plan_sizes(args, core.sizes_in_source(TRAIN.read_text()))
     except ValueError as exc:
         raise SystemExit(f"hsdp_bench: {exc}") from exc
+    cpu = cpu_facts()
+    if args.param_dtype == "bf16" and cpu["cpu_bf16_native"] is False:
+        log.warning("this CPU (%s) has no native bf16: bf16 matmuls are emulated, several "
+                    "times slower than fp32, so every run takes that much longer; "
+                    "--param-dtype fp32 measures the same overheads against less compute",
+                    cpu["cpu_capability"])
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="hsdp-bench-"))
     unavailable: dict[str, dict[str, str]] = {p.name: {} for p in plans}
     if any(a in args.arms for a in FTL_ARMS):
@@ -275,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary, "targets": {k: f"<= {v}" for k, v in core.TARGETS.items()},
         "meets_targets": core.verdicts(summary), "notes": core.NOTES, "sizes": per_size,
         "setup": {"replicas": args.replicas, "ranks": args.ranks, "pairs": args.pairs,
-                  "threads_per_process": args.threads, "cpu_count": os.cpu_count(),
+                  "threads_per_process": args.threads, "cpu_count": os.cpu_count(), **cpu,
                   "batch_size_per_replica": args.batch_size, "lr": args.lr, "seed": args.seed,
                   "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
                   "arms": [a.value for a in args.arms], "quick": args.quick,
