@@ -164,16 +164,15 @@ def count_params(config: Mapping[str, int]) -> int:
 
 
 def cpu_facts() -> dict[str, Any]:
-    """The CPU's vector capability and whether oneDNN computes bf16 natively on it
-    (AVX512-BF16 or AMX). Without, torch emulates bf16 matmuls on the CPU, several
-    times slower than fp32: the arms still compare alike, but every run is that
-    much longer and the 100M arm's steps take minutes."""
+    """The CPU's vector capability and whether it computes bf16 natively (the
+    example's own test). Without, bf16 matmuls are emulated, several times slower
+    than fp32: the arms still compare alike, but every run takes that much longer
+    and the 100M arm's steps take minutes."""
     import torch
-    try:
-        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        native = None
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_bf16_native": native}
+    sys.path.insert(0, str(TRAIN.parent))
+    from train import native_bf16
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_bf16_native": native_bf16(torch.device("cpu"))}
 
 
 # ---------------------------------------------------------------- running
@@ -255,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"hsdp_bench: {exc}") from exc
     cpu = cpu_facts()
-    if args.param_dtype == "bf16" and cpu["cpu_bf16_native"] is False:
+    if args.param_dtype == "bf16" and not cpu["cpu_bf16_native"]:
         log.warning("this CPU (%s) has no native bf16: bf16 matmuls are emulated, several "
                     "times slower than fp32, so every run takes that much longer; "
                     "--param-dtype fp32 measures the same overheads against less compute",
