@@ -117,10 +117,10 @@ def main() -> int:
                              "its own stream anyway)")
     parser.add_argument("--parallel", choices=("fsdp", "ddp", "none"), default="fsdp",
                         help="inside a replica: shard with FSDP2 (default), DDP, or by hand")
-    parser.add_argument("--param-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                        help="FSDP2 compute dtype of the parameters (default auto: bf16 on a "
-                             "GPU or a CPU that computes bf16 natively, fp32 on a CPU that "
-                             "would emulate it, several times slower)")
+    parser.add_argument("--param-dtype", choices=["auto", *sorted(DTYPES)], default="bf16",
+                        help="FSDP2 compute dtype of the parameters (default bf16; auto: bf16 "
+                             "on a GPU or a CPU that computes it natively, fp32 on a CPU "
+                             "that would emulate it, several times slower)")
     parser.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32",
                         help="FSDP2 gradient reduce dtype, also FTAR's wire dtype (default fp32)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
