@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -56,6 +57,9 @@ STEPS = 1500
 KILL_AT_STEP = 200
 RANKS = 2          # per replica: FSDP2 shards the model over them
 REFRESH_INTERVAL = 0.5
+#: Training that commits no step for this long is stuck (a recovery takes well under a
+#: minute); the demo then ends rather than wait for the job.
+STALL_S = 300.0
 
 
 def wait(condition: Callable[[RunStatus], bool], timeout: float, what: str,
@@ -91,6 +95,25 @@ def rolled_back(status: RunStatus) -> bool:
 
 def step_of(status: RunStatus, replica_id: int) -> int:
     return next((r.step for r in status.replicas if r.replica_id == replica_id), None) or -1
+
+
+def finished(job_id: str, stall_s: float) -> Callable[[RunStatus], bool]:
+    """The job has ended; while it has not, training must go on: no new step for
+    ``stall_s`` ends the demo. A fixed time limit would not do, since the steps
+    left after the recovery take minutes here and several times that on a CPU
+    that emulates bf16."""
+    newest, since = -1, time.monotonic()
+
+    def ended(status: RunStatus) -> bool:
+        nonlocal newest, since
+        step = max((r.step for r in status.replicas if r.step is not None), default=-1)
+        if step > newest:
+            newest, since = step, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            raise SystemExit(f"demo: no replica committed a step for {stall_s:.0f} s "
+                             f"(the newest is {newest}) and the job has not ended")
+        return job_state(job_id) == ""
+    return ended
 
 
 def job_state(job_id: str) -> str:
@@ -207,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                           display)
             args.images.mkdir(parents=True, exist_ok=True)
             save_live_view(status, args.images / "live-status.svg")
-        wait(lambda s: job_state(job_id) == "", 600, "the job to finish", display)
+        wait(finished(job_id, STALL_S), math.inf, "the job to finish", display)
     report = (out / "job.out").read_text().split("summary (")[-1]
     console.out("summary (" + report, highlight=False)
     finals = [json.loads(p.read_text()) for p in (run_dir / "final").glob("*.json")]
