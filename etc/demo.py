@@ -99,9 +99,8 @@ def step_of(status: RunStatus, replica_id: int) -> int:
 
 def finished(job_id: str, stall_s: float) -> Callable[[RunStatus], bool]:
     """The job has ended; while it has not, training must go on: no new step for
-    ``stall_s`` ends the demo. A fixed time limit would not do, since the steps
-    left after the recovery take minutes here and several times that on a CPU
-    that emulates bf16."""
+    ``stall_s`` ends the demo. A fixed time limit would not do: the steps left after
+    the recovery take minutes, and several times longer on a CPU that emulates bf16."""
     newest, since = -1, time.monotonic()
 
     def ended(status: RunStatus) -> bool:
