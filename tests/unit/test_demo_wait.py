@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from tests.scale.helpers import load_script
 
 DEMO = Path(__file__).resolve().parents[2] / "etc" / "demo.py"
 
 
 @pytest.fixture
 def demo(monkeypatch):
-    spec = importlib.util.spec_from_file_location("demo_under_test", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(DEMO)
     clock = SimpleNamespace(now=1000.0)
-    monkeypatch.setattr(module.time, "monotonic", lambda: clock.now)
+    # The demo's own clock only: the time module stays as it is for everyone else.
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: clock.now))
     module.clock = clock
     return module
 

@@ -3,10 +3,9 @@ natively, fp32 on a CPU that would emulate it (several times slower)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
+
+from tests.scale.helpers import load_script
 
 from .harness import TRAIN
 
@@ -15,14 +14,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def train():
-    sys.path.insert(0, str(TRAIN.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("example_train", TRAIN)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(TRAIN.parent))
+    return load_script(TRAIN)
 
 
 @pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "fp32")])
