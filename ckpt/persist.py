@@ -106,7 +106,6 @@ class PersistentStore:
         self.durable = durable
         self.completeness = completeness
         self._check_root(create)
-        self._staging: Bytes | None = None
         # Normal priority on purpose (unlike the snapshot thread): staging holds a
         # lease on the snapshot, during which the snapshotter skips every step.
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -170,8 +169,9 @@ class PersistentStore:
                    ) -> concurrent.futures.Future[ShardRecord]:
         """Persist the snapshot of ``step`` (newest if None) in the background.
 
-        The worker copies the snapshot into its own staging buffer under a short
-        lease, then writes without holding it, so snapshots keep alternating.
+        The worker copies the snapshot into a staging buffer under a short lease,
+        then writes without holding it, so snapshots keep alternating; the staging
+        buffer lives only as long as the write.
         Raises ``PersistBusyError`` if the previous persist is still running.
         """
         with self._lock:
@@ -197,12 +197,14 @@ class PersistentStore:
         self.prune()  # deleting a GB-sized shard takes a while: off the save's clock too
         return record
 
-    def _stage(self, snap: Snapshot) -> tuple[Manifest, Bytes]:
-        total = snap.manifest.total_bytes
-        if self._staging is None or self._staging.nbytes < total:
-            self._staging = np.empty(total, dtype=np.uint8)
-        np.copyto(self._staging[:total], snap.buffer)
-        return snap.manifest, self._staging
+    @staticmethod
+    def _stage(snap: Snapshot) -> tuple[Manifest, Bytes]:
+        # A buffer per persist, dropped once written: kept between persists it would be
+        # a third resident copy of the rank's state (beside the two snapshot buffers)
+        # for the persist_every steps it is idle. Its page faults fall on this thread.
+        staged = np.empty(snap.manifest.total_bytes, dtype=np.uint8)
+        np.copyto(staged, snap.buffer)
+        return snap.manifest, staged
 
     def prune(self) -> None:
         """Remove this rank's shards older than the ``keep`` newest complete steps."""

@@ -108,7 +108,7 @@ class TorchTrainState:
                               and not self.sharded and not isinstance(
                                   self.model, torch.nn.parallel.DistributedDataParallel))
         with torch.no_grad():
-            for dtype, flat in self._gather().items():
+            for flat in self._gather().values():
                 if replicated_by_hand:  # the replica's ranks trained on different samples
                     assert self.group is not None
                     self.group.average_tensor(flat)

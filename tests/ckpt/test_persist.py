@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +68,33 @@ def test_async_save_from_snapshots_while_they_go_on(tmp_path):
     snapshot_of(101, snapshotter)
     snapshot_of(102, snapshotter)  # reuses step 100's buffer: the persist no longer holds it
     assert_state_equal(store.load(100), 100)
+
+
+def test_the_staging_copy_lives_only_as_long_as_its_write(tmp_path, monkeypatch):
+    """Between persists the rank holds its two snapshot buffers, not a third copy."""
+    staged: list[weakref.ref] = []
+
+    class Numpy:  # numpy as ckpt.persist sees it, its allocations of staging memory noted
+        def __getattr__(self, name: str):
+            return getattr(np, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            buffer = np.empty(*args, **kwargs)
+            staged.append(weakref.ref(buffer))
+            return buffer
+
+    monkeypatch.setattr(persist, "np", Numpy())
+    store = _store(tmp_path)
+    snapshotter = snapshot_of(100)
+    for step in (100, 101):
+        snapshot_of(step, snapshotter)
+        store.save_async(snapshotter.buffers, step)
+        assert store.wait(timeout=30).manifest.step == step
+    gc.collect()
+    assert len(staged) == 2, "one staging buffer per persist"
+    assert all(ref() is None for ref in staged), "a staging buffer outlived its write"
+    assert_state_equal(store.load(101), 101)
 
 
 def test_async_save_waits_for_the_snapshot_being_copied(tmp_path):

@@ -258,7 +258,7 @@ def test_sizes_that_do_not_match_the_manifest_are_refused_before_allocating():
 def test_a_replayed_put_claiming_more_is_refused_before_allocating():
     own = own_snapshot(6)
     with own.lease() as snap:
-        head, body = Recorder().capture(snap)
+        head, _body = Recorder().capture(snap)
     allocator = TrackingAllocator()
     store = BackupStore(accept_from={0}, allocator=allocator)
     big = 768 << 20

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "etc" / "examples" / "gpt"))
 
-from corpus import Corpus, replica_sample_ids  # noqa: E402
-from model import Gpt, GptConfig  # noqa: E402
+from corpus import Corpus, replica_sample_ids
+from model import Gpt, GptConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SIZE = {"d_model": 32, "n_layers": 2, "n_heads": 2, "context": 16}
