@@ -39,7 +39,7 @@ from ftcore.config import CkptConfig
 from ftcore.errors import RecoverableError
 from ftcore.files import atomic_write_text, fsync_directory
 
-from .dual import LeaseProvider, Snapshot
+from .dual import LeaseProvider, Snapshot, numpy_allocator
 from .errors import CheckpointCorruptError, storage_error
 from .manifest import Bytes, Manifest, ManifestError, add_checksums, corrupt_tensors
 
@@ -106,6 +106,7 @@ class PersistentStore:
         self.durable = durable
         self.completeness = completeness
         self._check_root(create)
+        self._staged_bytes = 0   # the last persist's size: the next one's staging is faulted in first
         # Normal priority on purpose (unlike the snapshot thread): staging holds a
         # lease on the snapshot, during which the snapshotter skips every step.
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -191,18 +192,24 @@ class PersistentStore:
 
     def _stage_and_save(self, snapshots: LeaseProvider, step: int | None,
                         wait: float) -> ShardRecord:
+        # A staging buffer per persist, dropped once written: kept between persists it
+        # would be a third resident copy of the rank's state (beside the two snapshot
+        # buffers) for the persist_every steps it idles. Its pages are faulted in before
+        # the lease (sized as the last persist), so the lease lasts a copy, no longer.
+        staged = numpy_allocator(self._staged_bytes) if self._staged_bytes else None
         with snapshots.lease(step, wait) as snap:
-            manifest, staged = self._stage(snap)
+            manifest, staged = self._stage(snap, staged)
+        self._staged_bytes = staged.nbytes
         record = self.save(manifest, staged)
+        del staged
         self.prune()  # deleting a GB-sized shard takes a while: off the save's clock too
         return record
 
     @staticmethod
-    def _stage(snap: Snapshot) -> tuple[Manifest, Bytes]:
-        # A buffer per persist, dropped once written: kept between persists it would be
-        # a third resident copy of the rank's state (beside the two snapshot buffers)
-        # for the persist_every steps it is idle. Its page faults fall on this thread.
-        staged = np.empty(snap.manifest.total_bytes, dtype=np.uint8)
+    def _stage(snap: Snapshot, staged: Bytes | None) -> tuple[Manifest, Bytes]:
+        total = snap.manifest.total_bytes
+        if staged is None or staged.nbytes != total:   # the first persist, or a new layout
+            staged = np.empty(total, dtype=np.uint8)
         np.copyto(staged, snap.buffer)
         return snap.manifest, staged
 

@@ -71,30 +71,38 @@ def test_async_save_from_snapshots_while_they_go_on(tmp_path):
 
 
 def test_the_staging_copy_lives_only_as_long_as_its_write(tmp_path, monkeypatch):
-    """Between persists the rank holds its two snapshot buffers, not a third copy."""
-    staged: list[weakref.ref] = []
+    """Between persists the rank holds its two snapshot buffers, not a third copy; from
+    the second persist on, the staging memory is faulted in before the lease is taken."""
+    staged: list[tuple[str, weakref.ref]] = []
+    prefault = persist.numpy_allocator
 
-    class Numpy:  # numpy as ckpt.persist sees it, its allocations of staging memory noted
+    class Numpy:  # numpy as ckpt.persist sees it, its staging allocations noted
         def __getattr__(self, name: str):
             return getattr(np, name)
 
         @staticmethod
         def empty(*args, **kwargs):
             buffer = np.empty(*args, **kwargs)
-            staged.append(weakref.ref(buffer))
+            staged.append(("under the lease", weakref.ref(buffer)))
             return buffer
 
+    def prefaulted(nbytes: int):
+        buffer = prefault(nbytes)
+        staged.append(("before the lease", weakref.ref(buffer)))
+        return buffer
+
     monkeypatch.setattr(persist, "np", Numpy())
+    monkeypatch.setattr(persist, "numpy_allocator", prefaulted)
     store = _store(tmp_path)
     snapshotter = snapshot_of(100)
-    for step in (100, 101):
+    for step in (100, 101, 102):
         snapshot_of(step, snapshotter)
         store.save_async(snapshotter.buffers, step)
         assert store.wait(timeout=30).manifest.step == step
     gc.collect()
-    assert len(staged) == 2, "one staging buffer per persist"
-    assert all(ref() is None for ref in staged), "a staging buffer outlived its write"
-    assert_state_equal(store.load(101), 101)
+    assert [kind for kind, _ in staged] == ["under the lease"] + 2 * ["before the lease"]
+    assert all(ref() is None for _, ref in staged), "a staging buffer outlived its write"
+    assert_state_equal(store.load(102), 102)
 
 
 def test_async_save_waits_for_the_snapshot_being_copied(tmp_path):
