@@ -13,8 +13,11 @@ the reservation, and the controller runs one standby agent step per node in it
 * ``standby_job``: the warm agent becomes the replica as a step of the standby job.
 
 After a promotion the standby job grows by a node of the reservation when one is
-free (``Flags=REPLACE`` refills the reservation as nodes leave it). The standby job
-is cancelled when the run ends. See ``etc/reservation.md`` for the admin's side.
+free (``Flags=REPLACE`` refills the reservation as nodes leave it). A pool short of
+``job.standby`` nodes keeps trying, backing off from ``GROW_RETRY_FIRST_S`` to
+``GROW_RETRY_MAX_S`` between tries: a reservation's nodes free up as other jobs end,
+and a busy slurmctld may refuse an ``--immediate`` request it would grant a moment
+later. The standby job is cancelled when the run ends. See ``etc/reservation.md`` for the admin's side.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from ftcore.slurm.client import SlurmBackend
 
 log = logging.getLogger(__name__)
 GROW_WAIT_S = 5       # salloc --immediate: a free reservation node is granted at once
+GROW_RETRY_FIRST_S = 10.0   # a short pool tries again after this, doubling each time ...
+GROW_RETRY_MAX_S = 300.0    # ... up to this: each try holds the controller's loop up to
+#                             GROW_WAIT_S, so a reservation with no free node costs
+#                             the loop at most GROW_WAIT_S / GROW_RETRY_MAX_S of its time
 
 
 class ReservationPool:
@@ -40,6 +47,8 @@ class ReservationPool:
         self.name = f"ftl-standby-{main_job_id}"
         self.holder: dict[str, str] = {}     # standby node -> the standby job holding it
         self._trained_in: set[str] = set()   # standby jobs a replica was promoted inside
+        self._retry_after = GROW_RETRY_FIRST_S
+        self._next_try: float | None = None  # when a short pool tries to grow again
         self.path = self._resolve_path(job.promote_by)
 
     def _resolve_path(self, wanted: PromotionPath) -> PromotionPath:
@@ -106,16 +115,32 @@ class ReservationPool:
         if job_id is not None:
             self._trained_in.add(job_id)
 
-    def grow(self) -> str | None:
+    @property
+    def short(self) -> int:
+        """How many standby nodes the pool lacks (promotions took them)."""
+        return max(0, self.size - len(self.holder))
+
+    def grow_due(self, now: float) -> bool:
+        """Whether a short pool's next try at growing is due (``now``: monotonic s)."""
+        return self.short > 0 and (self._next_try is None or now >= self._next_try)
+
+    def grow(self, now: float) -> str | None:
         """Replenish by one node of the reservation (a one-node standby job), if one is
-        free now."""
+        free now; if none is, the next try is due after a backoff (``grow_due``)."""
         try:
             nodes = self._allocate(1, immediate_s=GROW_WAIT_S)
+            why = "Slurm listed no node in the job it granted"
         except SlurmCommandError as error:
-            log.warning("standby pool not replenished (no free node in reservation %s?): %s",
-                        self.reservation, error)
-            return None
-        return nodes[0] if nodes else None
+            nodes, why = (), str(error)
+        if nodes:
+            self._next_try, self._retry_after = None, GROW_RETRY_FIRST_S
+            return nodes[0]
+        log.warning("standby pool %d node(s) short, trying again in %.0f s (no free node in "
+                    "reservation %s?): %s", self.short, self._retry_after, self.reservation,
+                    why)
+        self._next_try = now + self._retry_after
+        self._retry_after = min(2 * self._retry_after, GROW_RETRY_MAX_S)
+        return None
 
     def release(self) -> None:
         """Cancel every standby job (and with it the replicas run inside one)."""

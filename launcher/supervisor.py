@@ -228,6 +228,8 @@ class Supervisor:
             code = self.decide(event)
             if code is not None:
                 return code
+        if self.pool is not None and self.pool.grow_due(now.elapsed):
+            self._replenish()
         return None
 
     def decide(self, event: lc.Event) -> int | None:
@@ -485,8 +487,9 @@ class Supervisor:
         self._replenish()
 
     def _replenish(self) -> None:
-        """Reservation mode: hold a new standby node for the one just used."""
-        added = self.pool.grow() if self.pool is not None else None
+        """Reservation mode: hold a new standby node for one a promotion used (``poll``
+        tries again while the pool is short)."""
+        added = self.pool.grow(self.clock().elapsed) if self.pool is not None else None
         if added is not None:
             self.decide(rc.StandbyAdded(added))
             self.launch_standby(added)

@@ -3,9 +3,10 @@
 Modelled on submitit's ``MockedSubprocess``: the test owns the cluster. Nodes are
 records the test flips (``fail_node``); every launched step is a ``FakeStep`` (the
 stand-in for its local ``srun``) that runs until the test ends it (``exit``) or the
-controller cancels it; every call is recorded in ``calls`` in order. Operations a
-loop test has no use for (allocations in a reservation) raise ``SlurmCommandError``
-saying so, the way a site without them would answer.
+controller cancels it; every call is recorded in ``calls`` in order. Allocations
+(a reservation's standby jobs) are granted or refused as the test scripts them
+(``script_allocations``); unscripted, they raise ``SlurmCommandError`` saying so, the
+way a site without them would answer.
 
 The real-cluster tests stay the authority on what Slurm does; this fake only lets
 the whole loop run in milliseconds on scripted event sequences.
@@ -68,8 +69,15 @@ class FakeSlurm:
         self.launched: list[FakeStep] = []
         self.calls: list[tuple[str, ...]] = []
         self.comments: dict[str, str] = {}
+        self.allocations: dict[str, tuple[str, ...]] = {}   # job id -> nodes granted
+        self._answers: list[tuple[str, ...] | str] = []
 
     # ------------------------------------------------------------------ the test's side
+
+    def script_allocations(self, *answers: tuple[str, ...] | str) -> None:
+        """The next ``allocate`` calls' answers, in order: the nodes granted (each
+        becomes a job of its own), or why Slurm refused."""
+        self._answers.extend(answers)
 
     def fail_node(self, node: str) -> None:
         """The node stops answering (as a crashed host does)."""
@@ -94,6 +102,9 @@ class FakeSlurm:
 
     def job(self, job_id: str) -> JobInfo | None:
         self.calls.append(("job", job_id))
+        if job_id in self.allocations:
+            return JobInfo(job_id, "allocation", JobState.RUNNING, self.allocations[job_id],
+                           None, "", 0, 0)
         if job_id != self.job_id:
             return None
         return JobInfo(job_id, "ft-launch", JobState.RUNNING, tuple(self.node_info), None,
@@ -156,8 +167,18 @@ class FakeSlurm:
                  immediate_s: int | None = None, extra: tuple[str, ...] = (),
                  wait_forever: bool = False) -> str:
         self.calls.append(("allocate", name, str(nodes)))
-        raise SlurmCommandError("FakeSlurm grants no allocation: script the reservation "
-                                "pool's answers in the test that needs them")
+        if not self._answers:
+            raise SlurmCommandError("FakeSlurm grants no allocation: script the reservation "
+                                    "pool's answers in the test that needs them")
+        answer = self._answers.pop(0)
+        if isinstance(answer, str):
+            raise SlurmCommandError(answer)
+        job_id = str(int(self.job_id) + 1 + len(self.allocations))
+        self.allocations[job_id] = answer
+        for node in answer:
+            self.node_info.setdefault(node, NodeInfo(node, NodeState.ALLOCATED, frozenset(),
+                                                     "", node))
+        return job_id
 
     def shrink_job(self, job_id: str, keep: tuple[str, ...]) -> None:
         self.calls.append(("shrink_job", job_id, *keep))

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config import Config, HealthConfig, RecoveryConfig, SlowPolicy
+from ftcore.config import (
+    Config,
+    HealthConfig,
+    JobConfig,
+    PromotionPath,
+    RecoveryConfig,
+    SlowPolicy,
+    StandbyMode,
+)
 from ftcore.errors import ExitCode
 from ftcore.events import EventLog, NodeDrained, read_events
 from ftcore.slurm.client import SlurmBackend
@@ -33,6 +41,7 @@ from launcher.events import (
     RunFinished,
 )
 from launcher.plan import LaunchPlan, ReplicaPlacement
+from launcher.pool import GROW_RETRY_FIRST_S
 from launcher.quorum.events import MembersLivenessChanged
 from launcher.run_state import ReplicaState
 from launcher.standby import activation_file
@@ -105,11 +114,15 @@ def loop(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)     # the command's digest reads files relative to here
 
     def make(replicas: int = 3, standby: tuple[str, ...] = ("s1",), can_drain: bool = True,
+             job: JobConfig | None = None, grants: tuple[tuple[str, ...] | str, ...] = (),
              **recovery: object) -> Loop:
+        """``job``/``grants``: a reservation pool's config and Slurm's answers to its
+        allocations."""
         nodes = [f"n{r}" for r in range(replicas)]
         slurm = FakeSlurm(JOB, [*nodes, *standby], can_drain=can_drain)
+        slurm.script_allocations(*grants)
         backend: SlurmBackend = slurm      # the fake keeps to the Protocol
-        config = Config(health=HealthConfig(inspection=False),
+        config = Config(job=job or JobConfig(), health=HealthConfig(inspection=False),
                         recovery=RecoveryConfig(lost_timeout=LOST, start_timeout=60.0,
                                                 **recovery))  # type: ignore[arg-type]
         plan = LaunchPlan(job_id=JOB, replicas=tuple(ReplicaPlacement(r, (n,))
@@ -165,6 +178,42 @@ def test_a_lost_node_is_drained_with_the_sanitised_reason_and_the_standby_promot
     assert [r.reason for r in records if isinstance(r, NodeDrained)] == [
         "ft: Slurm reports DOWN+NOT_RESPONDING"]
     assert [r.exit_code for r in records if isinstance(r, RunFinished)] == [0]
+
+
+def test_a_reservation_pool_short_after_a_promotion_keeps_trying_to_grow(loop):
+    """The reservation had no free node when the promotion used the pool's one: the
+    controller tries again after a backoff, not once, and refills the pool when
+    Slurm grants a node."""
+    refused = "salloc: error: Unable to allocate resources: Requested nodes are busy"
+    run = loop(standby=(), job=JobConfig(replicas=3, standby=1,
+                                         standby_mode=StandbyMode.RESERVATION,
+                                         reservation="pool",
+                                         promote_by=PromotionPath.STANDBY_JOB),
+               grants=(("r1",), refused, refused, ("r2",)))
+    assert run.slurm.step_named("standby-r1").running
+    run.started(0, 1, 2)
+    run.commit(0, 1, 2)
+    run.poll()
+    run.slurm.fail_node("n1")
+    run.poll(NODE_CHECK_INTERVAL + 1)
+    assert run.supervisor.state.run.replica(1).nodes == ("r1",)
+
+    def tries() -> int:
+        return sum(c[0] == "allocate" for c in run.slurm.calls)
+
+    assert tries() == 2                               # the pool, then its first refill
+    run.poll(GROW_RETRY_FIRST_S / 2)
+    assert tries() == 2                               # not before the backoff
+    run.poll(GROW_RETRY_FIRST_S / 2)
+    assert tries() == 3                               # refused again: the wait doubles
+    run.poll(GROW_RETRY_FIRST_S * 1.5)
+    assert tries() == 3
+    run.poll(GROW_RETRY_FIRST_S / 2)
+    assert tries() == 4
+    assert run.slurm.step_named("standby-r2").running
+    assert run.supervisor.state.run.standby == ("r2",)
+    run.poll(GROW_RETRY_FIRST_S * 100)
+    assert tries() == 4                               # the pool is whole: no more tries
 
 
 def test_a_crash_is_retried_in_place_then_its_node_evicted(loop):
