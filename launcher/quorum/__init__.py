@@ -23,9 +23,10 @@ was told of; a round of A and the next of B share none, so it endorses at most
 one side's rounds from there on, and the other side never reaches a majority.
 A side with a majority of the votes trains on down to ``quorum.min_replicas``
 members; without witnesses this is the plain rule (a majority of replicas).
-A witness writes its term, vote and last round to its run directory before it
-answers on them, and reads them back when it restarts (``witness.Memory``), so
-a restart neither makes it vote twice in a term nor forget which side trained.
+Every voter writes its term and vote (a witness: its last round too) to the
+run directory before it answers on them, and reads them back when it restarts
+(``witness.Memory``), so a restart neither makes it vote twice in a term (two
+leaders in one term) nor makes a witness forget which side trained.
 A leader publishes its broadcasts once on a feed that every follower's process
 reads (``feed``), instead of sending one copy per member.
 """

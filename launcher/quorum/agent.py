@@ -125,9 +125,10 @@ class QuorumAgent:
     wall clock in ns at construction). ``electable=False`` makes a member that
     votes and joins but never stands for leader. ``witnesses``: the voter ids of
     the job's witnesses (``model.witness_ids``); an agent whose ``replica_id`` is
-    one of them is a witness (``witness_service.witness_agent`` runs one), and
-    ``memory`` keeps what it must not forget across a restart (``witness.Memory``;
-    ``witness_service.MemoryFile``). The replay window
+    one of them is a witness (``witness_service.witness_agent`` runs one).
+    ``memory`` keeps what the voter must not forget across a restart
+    (``witness.Memory``; ``witness_service.MemoryFile``): every voter of a job
+    needs one, or a restart can let it vote twice in a term. The replay window
     (``config.max_message_age``) and the election slot come from ``config``;
     ``config.peer_dir`` is the launcher's business (it builds ``directory``).
     """

@@ -153,7 +153,7 @@ class QuorumNode:
         self.seed = seed
         self.electable = electable
         self.on_answer = on_answer
-        #: A witness's persistent memory (``witness.Memory``), and what it holds.
+        #: The voter's persistent memory (``witness.Memory``), and what it holds.
         self.memory = memory
         self._remembered: witness.Memory | None = None
         #: Set by the agent once someone listens; building events costs O(members).
@@ -374,7 +374,7 @@ class QuorumNode:
             self._loop.schedule(self, next_deadline(self.state, now))
 
     def _remember(self) -> bool:
-        """Persist a witness's memory if it changed; False if that failed."""
+        """Persist the voter's memory if it changed; False if that failed."""
         assert self.state is not None and self.memory is not None
         memory = witness.memory_of(self.state)
         if memory == self._remembered:
@@ -383,7 +383,7 @@ class QuorumNode:
             self.memory.save(memory)
         except OSError as exc:
             self._counts["memory_unsaved"] += 1
-            log_sampled(log, self._counts["memory_unsaved"], "witness %d cannot save its "
+            log_sampled(log, self._counts["memory_unsaved"], "voter %d cannot save its "
                         "quorum memory, so it answers nothing: %s", self.replica_id, exc,
                         level=logging.ERROR)
             return False

@@ -14,12 +14,13 @@ round it endorsed or was told of (continuity: a history passes from one round
 to the next through a replica that was in both). The package docstring has
 the safety argument.
 
-What a witness must not forget across a restart (``Memory``: its term, its
-vote in that term and the last round it endorsed or was told of) is kept by
-the shell (``QuorumNode`` with ``witness_service.MemoryFile``): written before
-any answer that depends on it leaves, read back at start. Without it a
-restarted witness would endorse whichever side asked first, or vote twice in
-one term.
+What a voter must not forget across a restart (``Memory``: its term, its
+vote in that term and, at a witness, the last round it endorsed or was told
+of) is kept by the shell (``QuorumNode`` with ``witness_service.MemoryFile``):
+written before any answer that depends on it leaves, read back at start.
+Without it a restarted witness would endorse whichever side asked first, and
+any restarted voter, replica or witness, could vote twice in one term: two
+leaders in a term.
 
 All functions are pure: ``(state, ..., now) -> (state, actions)``.
 """
@@ -38,7 +39,8 @@ Outcome = tuple[QuorumState, list[Action]]
 
 @dataclass(frozen=True)
 class Memory:
-    """A witness's state that must survive its restart."""
+    """A voter's state that must survive its restart (a replica's ``endorsed``
+    stays None)."""
 
     term: int = 0
     voted_for: int | None = None
@@ -60,7 +62,7 @@ def memory_of(s: QuorumState) -> Memory:
 
 
 def restore(s: QuorumState, memory: Memory) -> QuorumState:
-    """A starting witness's state with what it remembered."""
+    """A starting voter's state with what it remembered."""
     return evolve(s, election=evolve(s.election, term=memory.term,
                                      voted_for=memory.voted_for),
                   endorsed=memory.endorsed)

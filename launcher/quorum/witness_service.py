@@ -53,8 +53,14 @@ def memory_path(run_dir: Path, index: int) -> Path:
     return run_dir / f"quorum-witness-{index}.memory.json"
 
 
+def replica_memory_path(run_dir: Path, replica_id: int) -> Path:
+    """Where replica ``replica_id``'s voter memory is kept: in the run directory, so
+    its replacement on another node votes as it did."""
+    return run_dir / f"quorum-replica-{replica_id}.memory.json"
+
+
 class MemoryFile:
-    """A witness's ``Memory`` in one JSON file of its job's run directory."""
+    """A voter's ``Memory`` in one JSON file of its job's run directory."""
 
     def __init__(self, path: Path, job_id: str) -> None:
         self.path = path
@@ -64,7 +70,7 @@ class MemoryFile:
         try:
             text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            return Memory()  # a witness new to this job
+            return Memory()  # a voter new to this job
         except OSError as exc:
             return self._unknown(f"unreadable: {exc}")
         try:
@@ -86,8 +92,8 @@ class MemoryFile:
         atomic_write_text(self.path, json.dumps(body) + "\n")
 
     def _unknown(self, problem: str) -> Memory:
-        log.error("witness memory %s is %s; this witness endorses nothing until it "
-                  "sees a round that a majority of replicas forms", self.path, problem)
+        log.error("quorum memory %s is %s; a witness endorses nothing until it sees "
+                  "a round that a majority of replicas forms", self.path, problem)
         return Memory(endorsed=frozenset())
 
 

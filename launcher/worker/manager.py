@@ -50,7 +50,7 @@ from ftcore.slurm.client import SlurmCli
 from launcher.heartbeat import ControllerWatchThread
 from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent
 from launcher.quorum.events import Event as QuorumEvent
-from launcher.quorum.witness_service import run_witnesses
+from launcher.quorum.witness_service import MemoryFile, replica_memory_path, run_witnesses
 
 from .audit import AuditLog
 from .controller_loss import ControllerLostNotice, end_allocation, saver_of, wait_job_ended
@@ -193,10 +193,14 @@ class Manager:
             # Witness 0 counts only if the controller (it writes the heartbeat) says it votes.
             witnesses = run_witnesses(run_dir, config.quorum,
                                       controlled=identity.heartbeat is not None)
+            # its term and vote outlive the process: a relaunch votes as it did
+            memory = MemoryFile(replica_memory_path(run_dir, identity.replica_id),
+                                identity.job_id)
             self._agent = QuorumAgent(identity.replica_id, range(identity.num_replicas),
                                      directory, identity.secret, config.quorum,
                                      job_id=identity.job_id, host=identity.host,
-                                     event_log=self._events, witnesses=witnesses).start()
+                                     event_log=self._events, witnesses=witnesses,
+                                     memory=memory).start()
             if config.runtime.drop_lost_members:
                 self._agent.subscribe(self._on_quorum_event)
         # Rank 0 watches the controller; its ranks hear of a loss with the quorum's answer.

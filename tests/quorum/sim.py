@@ -26,6 +26,7 @@ from launcher.quorum.state import (
     Send,
     TimerFired,
 )
+from launcher.quorum.witness import memory_of, restore
 
 FAST = QuorumParams(min_replicas=1, join_timeout=0.5, heartbeat_interval=0.05,
                     election_timeout=0.3, election_spread=0.3, member_timeout=0.6,
@@ -60,11 +61,18 @@ class Sim:
         for r in ids:
             self.start(r, ids)
 
-    def start(self, r: int, ids: Iterable[int] | None = None, seq_base: int = 0) -> None:
+    def start(self, r: int, ids: Iterable[int] | None = None, seq_base: int = 0,
+              remember: bool = True) -> None:
+        """(Re)start voter ``r``. A restart keeps what the product's voters keep in
+        their memory files (``witness.Memory``: term, vote, a witness's last round)
+        unless ``remember`` is False."""
+        previous = self.states.get(r)
         voters = list(ids) if ids is not None else sorted(self.states[r].voters)
         self.states[r] = initial_state(r, voters, self.params, self.now,
                                        seed=self.seed, join_seq_base=seq_base,
                                        witnesses=self.witnesses)
+        if remember and previous is not None:
+            self.states[r] = restore(self.states[r], memory_of(previous))
         self.dead.discard(r)
         self.delivered.setdefault(r, [])
         self.failed.setdefault(r, [])

@@ -35,6 +35,7 @@ from launcher.quorum.state import (
     QuorumState,
     Send,
 )
+from launcher.quorum.witness import memory_of, restore
 
 from .builders import NOW, PARAMS, TERM, address, follower, leader, run, sent, tick
 
@@ -100,6 +101,18 @@ def test_one_vote_per_term() -> None:
     assert [a.granted for _, a in answers(first) + answers(second) + answers(again)] == \
         [True, False, True]
     assert state.election.voted_for == 2
+
+
+@pytest.mark.parametrize("remember", [True, False])
+def test_a_restarted_voter_votes_again_in_a_term_only_if_it_forgot(remember: bool) -> None:
+    """Two candidates of one term each need a majority; a voter that forgot its
+    vote on a restart could give both theirs (two leaders in one term)."""
+    state = follower(leader_id=None)
+    state, first = run(state, [got(2, VoteRequested(TERM + 1))], now=LEASE_OVER)
+    fresh = initial_state(state.me, state.voters, PARAMS, LEASE_OVER, seed=2)
+    restarted = restore(fresh, memory_of(state)) if remember else fresh
+    restarted, second = run(restarted, [got(3, VoteRequested(TERM + 1))], now=LEASE_OVER)
+    assert [a.granted for _, a in answers(first) + answers(second)] == [True, not remember]
 
 
 def test_timeout_starts_a_pre_vote_without_raising_the_term() -> None:

@@ -144,7 +144,8 @@ def test_restarted_member_rejoins_at_a_new_address() -> None:
     assert quorum.quorum_id == first.quorum_id + 1
 
 
-@pytest.mark.parametrize("seed", range(12))
+# 80: a replica that forgot its vote on a restart made two leaders in one term
+@pytest.mark.parametrize("seed", [*range(12), 80])
 def test_random_faults_keep_the_invariants(seed: int) -> None:
     """At most one leader per term; a quorum_id always names one membership;
     quorum ids never go back; a delivered quorum includes its receiver and is

@@ -67,7 +67,7 @@ def test_the_memory_file_is_replaced_atomically(tmp_path: Path) -> None:
 def _restart_witness(sim: Sim, remember: bool) -> None:
     """The witness starts again, with its memory or without."""
     memory = memory_of(sim.states[W0])
-    sim.start(W0)
+    sim.start(W0, remember=False)
     if remember:
         sim.states[W0] = restore(sim.states[W0], memory)
 

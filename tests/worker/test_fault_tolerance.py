@@ -11,6 +11,7 @@ import socket
 
 import pytest
 
+from launcher.quorum.witness_service import MemoryFile, replica_memory_path
 from launcher.worker.audit import check_exactly_once
 from launcher.worker.local import LocalJob
 from tests.waiting import patience, wait_until
@@ -115,6 +116,10 @@ def test_killed_replica_restarts_catches_up_and_nothing_is_lost(tmp_path, point)
     assert all(e.contributors == 2 for e in rejoined)  # it contributed zeros meanwhile
     after = [e for e in job.committed(1) if e.step > rejoined[-1].step]
     assert after and all(e.contributors == 3 and not e.caught_up for e in after)
+    # each replica's term and vote are where its relaunch reads them back
+    memories = [MemoryFile(replica_memory_path(job.run_dir, r), "local").load()
+                for r in range(3)]
+    assert all(m.term >= 1 for m in memories), memories
 
 
 def test_replica_behind_by_many_steps_catches_up_in_one_fetch(tmp_path):
