@@ -188,6 +188,17 @@ def test_heartbeats_are_acknowledged_at_most_every_ack_interval() -> None:
     assert len(acked_at) >= 3 and all(g >= PARAMS.ack_interval - 1e-9 for g in gaps)
 
 
+def test_a_join_to_the_leader_stands_in_for_the_next_ack() -> None:
+    state, _ = run(follower(), [got(0, Heartbeat(TERM))], now=NOW)
+    joined_at = NOW + PARAMS.ack_interval
+    state, actions = run(state, [QuorumRequested(5, address(1), Health.OK)], now=joined_at)
+    assert [a.to for a in sent(actions, JoinRequested)] == [(0,)]
+    late = joined_at + PARAMS.ack_interval
+    for now, acks in ((joined_at + 0.01, 0), (late - 0.01, 0), (late + 0.01, 1)):
+        state, actions = run(state, [got(0, Heartbeat(TERM))], now=now)
+        assert len(sent(actions, HeartbeatAcked)) == acks, now
+
+
 def test_leader_detects_a_dead_member_within_member_timeout() -> None:
     state = leader(live=(0, 1, 2, 3, 4))
     now = NOW
