@@ -21,11 +21,20 @@ record = {"replica": replica, "rank": rank, "host": socket.gethostname(),
           "job": os.environ.get("SLURM_JOB_ID"), "step": os.environ.get("SLURM_STEP_ID"),
           "pid": os.getpid()}
 tag = f"replica-{replica}-rank-{rank}"
-(args.outdir / f"{tag}.started").write_text(json.dumps(record))
+
+
+def publish(suffix: str) -> None:
+    """Write then rename, so a test polling the directory never reads half a record."""
+    partial = args.outdir / f".{tag}.{suffix}.partial"
+    partial.write_text(json.dumps(record))
+    partial.rename(args.outdir / f"{tag}.{suffix}")
+
+
+publish("started")
 if args.wait_for is not None:
     deadline = time.monotonic() + args.timeout
     while not args.wait_for.exists():
         if time.monotonic() > deadline:
             sys.exit(3)
         time.sleep(0.05)
-(args.outdir / f"{tag}.finished").write_text(json.dumps(record))
+publish("finished")
