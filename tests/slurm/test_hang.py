@@ -61,6 +61,7 @@ def test_a_deadlocked_rank_is_found_in_its_stacks_and_only_its_node_drained(
                              "the hang diagnosis")
     assert reported.replica_id == 1 and reported.suspects == [hung_node], reported
     assert reported.outliers == [1] and "injected_deadlock" in reported.summary, reported
+    run.end_early()
     assert slurm_cluster.wait_job_done(run.job_id, timeout=400) == "COMPLETED", \
         run.out.read_text()[-3000:]
     assert slurm_cluster.slurm.job(run.job_id).restarts == 0
@@ -98,10 +99,10 @@ def test_a_deadlocked_rank_is_found_in_its_stacks_and_only_its_node_drained(
     # the two replicas left trained on to the end, identical, every sample once
     finals = [json.loads(p.read_text()) for p in (run.run_dir / "final").glob("*.json")]
     survivors = [f for f in finals if f["replica_id"] in (0, 2)]
-    assert len(survivors) == 4 and all(f["step"] == STEPS - 1 for f in survivors)
+    assert len(survivors) == 4 and all(f["step"] == run.steps - 1 for f in survivors)
     for rank in (0, 1):
         assert len({f["state_sha256"] for f in survivors if f["rank"] == rank}) == 1
-    check_exactly_once(run.run_dir, 3, STEPS)
+    check_exactly_once(run.run_dir, 3, run.steps)
 
     # fault -> diagnosis: from the first commit of the hung step by another replica
     hung_at = min(e.time for r in (0, 2) for e in commits(run.run_dir)[r]

@@ -94,6 +94,7 @@ def test_a_lost_majority_resumes_from_the_peer_copy_newer_than_the_persistent_ti
                                        if e.replica_id == survivor], 120,
                               f"replica {survivor} to restore on {kept}")
         run.wait_promoted(2)
+        run.end_early()
         assert run.cluster.wait_job_done(run.job_id, timeout=400) == "COMPLETED", \
             run.out.read_text()[-3000:]
         assert run.cluster.slurm.job(run.job_id).restarts == 0

@@ -99,6 +99,7 @@ def test_the_node_that_corrupts_gradients_is_found_by_replay_and_alone_drained(
     assert ordered.suspects == [healthy_peer, bad] and ordered.references == standbys[:2]
     assert ordered.steps == NONFINITE_LIMIT
 
+    run.end_early()
     assert slurm_cluster.wait_job_done(run.job_id, timeout=400) == "COMPLETED", \
         run.out.read_text()[-3000:]
     assert slurm_cluster.slurm.job(run.job_id).restarts == 0
@@ -125,11 +126,11 @@ def test_the_node_that_corrupts_gradients_is_found_by_replay_and_alone_drained(
     assert discarded and all(set(e.nonfinite_nodes) == {healthy_peer, bad}
                              for e in discarded)
     finals = [json.loads(p.read_text()) for p in (run.run_dir / "final").glob("*.json")]
-    assert len(finals) == 4 and all(f["step"] == STEPS - 1 and math.isfinite(f["loss"])
+    assert len(finals) == 4 and all(f["step"] == run.steps - 1 and math.isfinite(f["loss"])
                                     for f in finals)
     for rank in (0, 1):
         assert len({f["state_sha256"] for f in finals if f["rank"] == rank}) == 1
-    check_exactly_once(run.run_dir, 2, STEPS)
+    check_exactly_once(run.run_dir, 2, run.steps)
 
     # the report, and ft-launch status shows the verdict
     report = json.loads((run.run_dir / "replay" / "replica-1-1" / "report.json").read_text())

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -51,11 +52,12 @@ from launcher.worker import events as worker_events
 from launcher.worker.audit import check_exactly_once
 from tests.cluster import labcluster
 from tests.waiting import wait_until
-from tests.worker.harness import max_gap, stall_bound
+from tests.worker.harness import commit_gaps, max_gap, stall_bound
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(400)]
 
 REPO = Path(__file__).resolve().parents[2]
+END_STEP_FILE = "end-step"      # etc/examples/gpt/train.py END_STEP_FILE
 FAST_DETECTION = {
     "FTL_RECOVERY_LOST_TIMEOUT": "4", "FTL_RECOVERY_START_TIMEOUT": "20",
     "FTL_QUORUM_MEMBER_TIMEOUT": "2", "FTL_QUORUM_JOIN_TIMEOUT": "1",
@@ -79,6 +81,10 @@ LAB_PARAM_DTYPE = "auto"
 #: than this anyway, it lasts no longer than it must (unpadded step counts sized for a
 #: fast machine ran past the tests' timeouts on a slow one).
 PACE_S = 0.4
+#: How far ahead of the replicas a test ends a run early (``Training.end_early``), in
+#: seconds of their own steps: time for every rank to read the end step before any
+#: reaches it.
+END_MARGIN_S = 15.0
 
 
 def train_command(steps: int, *args: str, pace_s: float = PACE_S) -> list[str]:
@@ -155,9 +161,37 @@ class Training:
         return wait_until(lambda: (p := self.events(controller_events.StandbyPromoted))
                           [count - 1:] and p, 90, f"{count} standby promotion(s)")
 
+    def settled(self) -> bool:
+        """Every replica's worker of its newest launch has committed a step (a worker
+        cut off by a partition may still commit one when it heals: not that one)."""
+        launched = {e.replica_id: e.time for e in self.events(controller_events.ReplicaLaunched)}
+        started: dict[int, float] = {}
+        for e in self.worker_events(worker_events.WorkerStarted):
+            if e.rank == 0:
+                started[e.replica_id] = max(e.time, started.get(e.replica_id, e.time))
+        by_replica = commits(self.run_dir)
+        return all(r in started and started[r] > launched.get(r, 0.0) and by_replica.get(r)
+                   and by_replica[r][-1].time > started[r] for r in range(self.replicas))
+
+    def end_early(self) -> None:
+        """Once every replica trains again after the test's faults, the steps left show
+        nothing more: end the run ``END_MARGIN_S`` of steps ahead of the replicas (the
+        example's end-step file) rather than at ``steps``."""
+        wait_until(self.settled, 150, "every replica to commit a step since its launch")
+        by_replica = commits(self.run_dir)
+        newest = max(e.step for events in by_replica.values() for e in events)
+        gaps = commit_gaps(by_replica[0][-20:])
+        end = newest + 1 + math.ceil(END_MARGIN_S / max(gaps[len(gaps) // 2], 1e-3))
+        if end < self.steps:
+            partial = self.run_dir / f".{END_STEP_FILE}.partial"
+            partial.write_text(str(end))
+            partial.rename(self.run_dir / END_STEP_FILE)
+            self.steps = end
+
     def finish(self, requeued: int = 0) -> dict:
-        """The job completes, requeued ``requeued`` times (never, unless the test made it
-        so); identical replicas; every sample once."""
+        """The job completes (ended early: ``end_early``), requeued ``requeued`` times
+        (never, unless the test made it so); identical replicas; every sample once."""
+        self.end_early()
         assert self.cluster.wait_job_done(self.job_id, timeout=300) == "COMPLETED", \
             self.out.read_text()[-3000:]
         assert self.cluster.slurm.job(self.job_id).restarts == requeued
@@ -541,6 +575,7 @@ def test_submit_from_a_login_node_survives_the_loss_of_any_compute_node(slurm_cl
         crash(first)
         (promoted,) = run.wait_promoted(1)
         assert promoted.replica_id == 0
+        run.end_early()
         wait_until(lambda: not labcluster.pid_alive(int(pid)), 240,
                    "the detached controller to finish")
         assert "summary" in run.out.read_text(), run.out.read_text()[-3000:]

@@ -65,7 +65,7 @@ def test_a_loss_spike_is_rolled_back_to_the_backup_before_it_and_trained_again(
         spike = [e for e in old if e.step == SPIKE and not e.caught_up]
         if again and spike:         # trained again unspiked: the fault fired once a run
             assert spike[0].loss > 5 * again[0].loss, (spike[0], again[0])
-    audit = check_exactly_once(run.run_dir, 3, STEPS)
+    audit = check_exactly_once(run.run_dir, 3, run.steps)
     assert audit.rollbacks == 1 and audit.rolled_back > 0, audit
 
     first_spike = min(e.time for r in range(3) for e in by_replica[r]

@@ -78,6 +78,7 @@ def test_two_replicas_without_standby_the_survivor_trains_on_alone(slurm_cluster
         assert_witness_voted(run, f"{labcluster.subnet()}.1")
         victim = run.replica_nodes()[1]
         crash(victim)
+        run.end_early()
         wait_controller(run, pid, 300)
     (finished,) = run.events(controller_events.RunFinished)
     assert finished.exit_code == 0, finished
@@ -86,13 +87,13 @@ def test_two_replicas_without_standby_the_survivor_trains_on_alone(slurm_cluster
     assert not run.events(controller_events.StandbyPromoted)
     by_replica = commits(run.run_dir)
     survivor, dead_last = by_replica[0], max(e.step for e in by_replica[1])
-    assert survivor[-1].step == STEPS - 1
+    assert survivor[-1].step == run.steps - 1
     # after the step the dead replica may have contributed to, the survivor trained alone
     alone = [e for e in survivor if e.step > dead_last + 1]
     assert alone and all(e.contributors == 1 for e in alone), \
         sorted({e.contributors for e in alone})
     assert_survivor_kept_stepping(run, 0)
-    audit = check_exactly_once(run.run_dir, 2, STEPS)
+    audit = check_exactly_once(run.run_dir, 2, run.steps)
     finals = [json.loads(p.read_text()) for p in (run.run_dir / "final").glob("*.json")]
     assert len(finals) == 1 and finals[0]["positions"] == list(audit.positions), finals
 

@@ -10,6 +10,11 @@ Run by ``ft-launch run`` (one process per rank of each replica), or by the
 loopback tests and benchmarks. Prints one line per committed step; at the end
 each rank writes ``<run_dir>/final/replica-<r>-rank-<k>.json`` with the loss and a
 hash of its model and optimizer state (its shards), so runs compare bit for bit.
+
+A run can be shortened while it trains: a number N in ``<run_dir>/end-step``, if
+smaller than ``--steps``, ends it before step N instead. Every rank reads the file
+before each step, so all end at the same step as long as N is ahead of all of them
+(``end_step_at``).
 """
 
 from __future__ import annotations
@@ -83,6 +88,25 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
             if isinstance(value, torch.Tensor):
                 digest.update(_local_bytes(value))
     return digest.hexdigest()
+
+
+#: In the run directory: the step count that ends the run instead of --steps, if smaller.
+END_STEP_FILE = "end-step"
+
+
+def end_step_at(run_dir: Path, steps: int) -> int:
+    """``steps``, or the smaller count ``<run_dir>/end-step`` names (written whole, by
+    rename; unreadable content is reported and ignored)."""
+    try:
+        text = (run_dir / END_STEP_FILE).read_text()
+    except FileNotFoundError:
+        return steps
+    try:
+        return min(steps, int(text))
+    except ValueError:
+        log.warning("%s: expected a step count, found %r; ignored", run_dir / END_STEP_FILE,
+                    text[:40])
+        return steps
 
 
 def parallelize(model: Gpt, how: str, param_dtype: str, reduce_dtype: str) -> torch.nn.Module:
@@ -160,7 +184,7 @@ def main() -> int:
     loss_value = float("nan")
     started = time.monotonic()
     try:
-        while manager.next_step < args.steps:
+        while manager.next_step < end_step_at(me.run_dir, args.steps):
             step_started = time.monotonic()
             optimizer.zero_grad()       # starts the step: the quorum is asked beside forward
             # This rank's part of the replica's next batch (a catching-up replica's
