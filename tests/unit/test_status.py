@@ -4,6 +4,7 @@ plain text, in the live (rich) view, and as the logs grow."""
 from __future__ import annotations
 
 import io
+import logging
 from pathlib import Path
 
 import pytest
@@ -172,11 +173,24 @@ def test_on_a_terminal_the_display_is_the_live_view(live_run: Path) -> None:
     assert "recent events:" not in text
 
 
+def status_main(*argv: str) -> int:
+    """``ft-launch status`` in-process; its ``main`` configures logging onto this test's
+    captured stderr, so the root logger is put back after it (else later tests' log
+    lines go to a closed stream: "--- Logging error ---")."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        return cli.main(["status", *argv])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 def test_cli_status_prints_plain_text_when_not_on_a_terminal(
         run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["status", str(run_dir)]) == 0
+    assert status_main(str(run_dir)) == 0
     assert capsys.readouterr().out.splitlines()[0] == f"run {run_dir}"
-    assert cli.main(["status", "--watch", str(run_dir)]) == 0     # finished: ends at once
+    assert status_main("--watch", str(run_dir)) == 0     # finished: ends at once
     out = capsys.readouterr().out
     assert out.count("recent events:") == 2 and "run finished, exit 0" in out
 
@@ -201,7 +215,7 @@ def test_a_hang_diagnosis_stays_listed_with_its_report(live_run: Path,
     assert ("+55.0s  replica 2 hung: rank 1 on n2, pid 812 in injected_deadlock "
             "(faults.py:121) -> evict n2") in head
     assert f"report: {report}" in head and "hung" not in recent
-    assert cli.main(["status", str(live_run)]) == 0
+    assert status_main(str(live_run)) == 0
     assert f"report: {report}" in capsys.readouterr().out
 
 
