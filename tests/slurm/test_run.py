@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 
 from ckpt.persist import step_dir_name
+from ftcore.files import atomic_write_text
 from launcher import events as controller_events
 from launcher import versions
 from launcher.events import EventTail
@@ -183,9 +184,7 @@ class Training:
         gaps = commit_gaps(by_replica[0][-20:])
         end = newest + 1 + math.ceil(END_MARGIN_S / max(gaps[len(gaps) // 2], 1e-3))
         if end < self.steps:
-            partial = self.run_dir / f".{END_STEP_FILE}.partial"
-            partial.write_text(str(end))
-            partial.rename(self.run_dir / END_STEP_FILE)
+            atomic_write_text(self.run_dir / END_STEP_FILE, str(end), durable=False)
             self.steps = end
 
     def finish(self, requeued: int = 0) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ftcore.files import atomic_write_text
 from tests.scale.helpers import load_script
 from tests.waiting import patience, wait_until
 
@@ -27,7 +28,8 @@ def test_the_end_step_file_shortens_a_run_and_nothing_else(train, tmp_path, cont
     assert train.end_step_at(tmp_path, 200) == expected
 
 
-def test_a_run_ended_early_ends_every_replica_at_that_step_identical_and_exactly_once(tmp_path):
+def test_a_run_ended_early_ends_every_replica_at_that_step_identical_and_exactly_once(
+        train, tmp_path):
     steps = 2000      # an upper bound: the run is ended far sooner
     job = loopback_job(tmp_path, replicas=2, steps=steps)
     job.start_all()
@@ -35,9 +37,7 @@ def test_a_run_ended_early_ends_every_replica_at_that_step_identical_and_exactly
         wait_until(lambda: min(job.last_committed_step(r) for r in range(2)) >= 10, 120,
                    "both replicas to train 10 steps")
         end = max(job.last_committed_step(r) for r in range(2)) + 100   # ahead of both
-        partial = tmp_path / ".end-step.partial"
-        partial.write_text(str(end))
-        partial.rename(tmp_path / "end-step")
+        atomic_write_text(tmp_path / train.END_STEP_FILE, str(end), durable=False)
         codes = job.wait_all(patience(180))
     finally:
         job.stop_everything()

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from ftcore.files import atomic_write_text
+
 parser = argparse.ArgumentParser()
 parser.add_argument("outdir", type=Path)
 parser.add_argument("--wait-for", type=Path)
@@ -21,20 +23,12 @@ record = {"replica": replica, "rank": rank, "host": socket.gethostname(),
           "job": os.environ.get("SLURM_JOB_ID"), "step": os.environ.get("SLURM_STEP_ID"),
           "pid": os.getpid()}
 tag = f"replica-{replica}-rank-{rank}"
-
-
-def publish(suffix: str) -> None:
-    """Write then rename, so a test polling the directory never reads half a record."""
-    partial = args.outdir / f".{tag}.{suffix}.partial"
-    partial.write_text(json.dumps(record))
-    partial.rename(args.outdir / f"{tag}.{suffix}")
-
-
-publish("started")
+# whole records only: the test polls the directory while they are written
+atomic_write_text(args.outdir / f"{tag}.started", json.dumps(record), durable=False)
 if args.wait_for is not None:
     deadline = time.monotonic() + args.timeout
     while not args.wait_for.exists():
         if time.monotonic() > deadline:
             sys.exit(3)
         time.sleep(0.05)
-publish("finished")
+atomic_write_text(args.outdir / f"{tag}.finished", json.dumps(record), durable=False)
