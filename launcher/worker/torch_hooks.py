@@ -138,6 +138,16 @@ def _reduce(reduction: Reduction, tensor: torch.Tensor, ready: Any) -> None:
         reduce_gradient(reduction, tensor)
 
 
+def _param_groups(unit: Any) -> list[Any]:
+    """An FSDP2 unit's parameter groups: newer torch keeps a list, older releases
+    (2.11 on the GPU images) one group or None."""
+    state = unit._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 class FsdpExchange:
     """FTAR in FSDP2's all-reduce hook, one reduction per FSDP unit and step."""
 
@@ -149,8 +159,7 @@ class FsdpExchange:
         self._copy_outs: list[tuple[list[Any], torch.Tensor]] = []
         for unit in model.modules():
             if isinstance(unit, FSDPModule):
-                groups = unit._get_fsdp_state()._fsdp_param_groups
-                params = [p for g in groups for p in g.fsdp_params]
+                params = [p for g in _param_groups(unit) for p in g.fsdp_params]
                 if params:
                     unit.set_all_reduce_hook(self._hook_for(params))
 

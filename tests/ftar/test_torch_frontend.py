@@ -191,3 +191,19 @@ def test_hook_hands_a_fatal_error_to_the_training_thread(
     with pytest.raises(FtarUsageError, match="members disagree"):
         work.wait()                                    # raised where the step commits
     work.close()
+
+
+@pytest.mark.parametrize("state, expected", [
+    ({"_fsdp_param_groups": ["a", "b"]}, ["a", "b"]),    # torch 2.13 (this tier's)
+    ({"_fsdp_param_group": "a"}, ["a"]),                  # torch 2.11 (the GPU images')
+    ({"_fsdp_param_group": None}, []),                    # a unit with no parameters
+])
+def test_fsdp_param_groups_are_found_in_either_torch_layout(state: dict, expected: list) -> None:
+    """The FSDP2 hook installer reads private state whose shape changed between torch
+    releases; the GPU tier runs an older torch than this one."""
+    from types import SimpleNamespace
+
+    from launcher.worker.torch_hooks import _param_groups
+
+    unit = SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
+    assert _param_groups(unit) == expected

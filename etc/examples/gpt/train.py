@@ -109,21 +109,28 @@ def end_step_at(run_dir: Path, steps: int) -> int:
         return steps
 
 
-def parallelize(model: Gpt, how: str, param_dtype: str, reduce_dtype: str) -> torch.nn.Module:
+def parallelize(model: Gpt, how: str, param_dtype: str, reduce_dtype: str,
+                device: torch.device) -> torch.nn.Module:
     """Shard (FSDP2: each block, then the root) or replicate the model in this
-    replica's torch world."""
+    replica's torch world, on ``device``'s type."""
     if how == "none":
         return model
     if not dist.is_initialized():
-        dist.init_process_group()            # from RANK, WORLD_SIZE, MASTER_ADDR, ...
+        # from RANK, WORLD_SIZE, MASTER_ADDR, ...; gloo for a CPU model even where a
+        # GPU is visible (torch's default group there has no CPU backend)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     if how == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # An explicit mesh: FSDP2's default one is on CUDA wherever a GPU is visible,
+    # and would move a --device cpu model there.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -172,7 +179,7 @@ def main() -> int:
     args.param_dtype = param_dtype_for(args.param_dtype, device)
     if args.parallel == "fsdp":
         log.info("FSDP2 computes in %s (--param-dtype)", args.param_dtype)
-    model = parallelize(model, args.parallel, args.param_dtype, args.reduce_dtype)
+    model = parallelize(model, args.parallel, args.param_dtype, args.reduce_dtype, device)
     # The same numbers either way; resident-adamw keeps its state in the snapshot
     # buffers, so a snapshot every step copies nothing big (ckpt/resident.py).
     args.optimizer = args.optimizer or ("adamw" if args.device == "cuda" else "resident-adamw")
