@@ -7,7 +7,8 @@
 #            does not import: a machine's own CUDA build is kept as it is)
 #   env      nvidia-smi, python / torch / CUDA / NCCL versions
 #   tests    python3 -m pytest -m gpu tests/
-#   bench    benchmarks/hsdp_bench.py --quick, where that file exists
+#   bench    benchmarks/hsdp_bench.py --quick, where that file exists (its torchft
+#            arm installs torchft from ./.whl when the machine is offline)
 # Everything is written under ${OUT:-/tmp/ftl-gpu} (at most 8 files). Exits
 # non-zero if any part failed; a summary is printed last.
 #
@@ -147,6 +148,10 @@ run_part install "$INSTALL_LIMIT" install.log bash -c install_missing
 run_part env "$ENV_LIMIT" env.txt bash -c show_env
 run_part tests "$TESTS_LIMIT" gpu-tests.log bash -c run_tests
 if [ -f benchmarks/hsdp_bench.py ]; then
+  # The bench makes torchft's venv with pip: offline, from the same wheels.
+  if compgen -G ".whl/torchft-*.whl" >/dev/null; then
+    export PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl"
+  fi
   run_part bench "$BENCH_LIMIT" hsdp_bench.log \
     "$PY" benchmarks/hsdp_bench.py --quick --json "$OUT/hsdp_bench.json"
 else
