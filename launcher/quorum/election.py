@@ -55,7 +55,8 @@ def _timer(s: QuorumState, e: Election, now: float) -> dict[str, float | int]:
     """The fields of ``e`` that ``reset_timer`` sets, for callers that change
     others in the same copy (every follower does on every announcement)."""
     jitter = s.params.election_spread * unit_draw(s.seed, s.me, e.draws)
-    return {"deadline": now + s.params.election_timeout + jitter, "draws": e.draws + 1}
+    return {"deadline": now + s.params.election_timeout + jitter, "draws": e.draws + 1,
+            "jitter": jitter}
 
 
 def majority_window(s: QuorumState) -> float:
@@ -216,9 +217,17 @@ def on_leader_contact(s: QuorumState, sender: int, term: int, now: float) -> Out
         actions.append(NotifyLeaderElected(term, sender))
     if e.majority_lost:
         actions.append(NotifyMajorityRegained(sender))
-    election = evolve(e, role=Role.FOLLOWER, leader_id=sender, leader_seen_at=now,
-                       had_leader=True, votes=_NO_VOTES, majority_lost=False,
-                       **_timer(s, e, now))
+    if e.leader_id == sender and e.role is Role.FOLLOWER:
+        # The same leader again (every announcement): re-arm with the timeout drawn
+        # when it was first heard. The members' draws still differ, so they still
+        # time out apart once it falls silent (etcd draws on becoming a follower,
+        # not per heartbeat, too).
+        election = evolve(e, leader_seen_at=now, votes=_NO_VOTES, majority_lost=False,
+                          deadline=now + s.params.election_timeout + e.jitter)
+    else:
+        election = evolve(e, role=Role.FOLLOWER, leader_id=sender, leader_seen_at=now,
+                          had_leader=True, votes=_NO_VOTES, majority_lost=False,
+                          **_timer(s, e, now))
     return evolve(s, election=election), actions
 
 

@@ -159,6 +159,9 @@ class Election:
     had_leader: bool = False
     deadline: float = 0.0
     draws: int = 0
+    #: The random part of the timeout last drawn: kept while the same leader
+    #: stays in contact.
+    jitter: float = 0.0
     votes: frozenset[int] = frozenset()
     heartbeat_due: float = 0.0
     acked_at: float = NEVER

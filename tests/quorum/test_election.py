@@ -296,6 +296,29 @@ def test_election_timeouts_are_randomised_reproducibly() -> None:
     assert all(0.5 <= d < 1.0 for d in deadlines) and len(set(deadlines)) == 5
 
 
+def test_a_follower_draws_its_timeout_once_per_leader_not_per_contact() -> None:
+    """Re-arming on each of a leader's messages reuses the draw made when that
+    leader was first heard (a round's announcement reaches every member); a new
+    leader, and each member, still get their own random timeout."""
+    state, _ = run(follower(leader_id=None), [got(0, Heartbeat(TERM))], now=NOW)
+    first = state.election
+    assert first.leader_id == 0 and first.jitter > 0
+    assert first.deadline == NOW + PARAMS.election_timeout + first.jitter
+    for i in range(1, 4):
+        now = NOW + i * 0.1
+        state, _ = run(state, [got(0, Heartbeat(TERM))], now=now)
+        e = state.election
+        assert (e.draws, e.jitter) == (first.draws, first.jitter)
+        assert e.deadline == now + PARAMS.election_timeout + first.jitter
+    state, _ = run(state, [got(2, Heartbeat(TERM + 1))], now=NOW + 1)
+    assert state.election.leader_id == 2 and state.election.draws > first.draws
+    jitters = set()
+    for me in (1, 3, 4):
+        s, _ = run(follower(me=me, leader_id=None), [got(0, Heartbeat(TERM))], now=NOW)
+        jitters.add(s.election.jitter)
+    assert len(jitters) == 3
+
+
 def test_spread_grows_with_the_replica_count_by_the_configured_slot() -> None:
     from ftcore.config import QuorumConfig
     small = QuorumParams.from_config(QuorumConfig(), 5)
