@@ -217,17 +217,14 @@ def on_leader_contact(s: QuorumState, sender: int, term: int, now: float) -> Out
         actions.append(NotifyLeaderElected(term, sender))
     if e.majority_lost:
         actions.append(NotifyMajorityRegained(sender))
-    if e.leader_id == sender and e.role is Role.FOLLOWER:
-        # The same leader again (every announcement): re-arm with the timeout drawn
-        # when it was first heard. The members' draws still differ, so they still
-        # time out apart once it falls silent (etcd draws on becoming a follower,
-        # not per heartbeat, too).
-        election = evolve(e, leader_seen_at=now, votes=_NO_VOTES, majority_lost=False,
-                          deadline=now + s.params.election_timeout + e.jitter)
-    else:
-        election = evolve(e, role=Role.FOLLOWER, leader_id=sender, leader_seen_at=now,
-                          had_leader=True, votes=_NO_VOTES, majority_lost=False,
-                          **_timer(s, e, now))
+    # The same leader again (every announcement): re-arm with the timeout drawn when
+    # it was first heard. The members' draws still differ, so they still time out
+    # apart once it falls silent (etcd draws on becoming a follower, not per
+    # heartbeat, too).
+    timer = ({"deadline": now + s.params.election_timeout + e.jitter}
+             if e.leader_id == sender and e.role is Role.FOLLOWER else _timer(s, e, now))
+    election = evolve(e, role=Role.FOLLOWER, leader_id=sender, leader_seen_at=now,
+                      had_leader=True, votes=_NO_VOTES, majority_lost=False, **timer)
     return evolve(s, election=election), actions
 
 

@@ -16,9 +16,10 @@ download() {
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$@"
 }
 download --no-deps 'pyzmq>=25'
-# The benchmark's torchft arm (benchmarks/hsdp/torchft_env.py): torchft alone (its
-# torch is the machine's), then what its import needs, with their dependencies.
-download --no-deps torchft==0.2.0
-download 'opentelemetry-api>=1.39.0' 'opentelemetry-sdk>=1.39.0' \
-  'opentelemetry-exporter-otlp-proto-http>=1.39.0'
+# The benchmark's torchft arm, as benchmarks/hsdp/torchft_env.py pins it: torchft
+# alone (its torch is the machine's), then what its import needs, with theirs.
+read -r -a torchft < <(python3 -c 'from benchmarks.hsdp.torchft_env import IMPORT_DEPS, TORCHFT_VERSION
+print(f"torchft=={TORCHFT_VERSION}", *IMPORT_DEPS)')
+download --no-deps "${torchft[0]}"
+download "${torchft[@]:1}"
 ls -l .whl
