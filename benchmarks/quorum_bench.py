@@ -17,7 +17,11 @@ thread each) and replica 0, the only electable member (the others are
   join arrived -> quorum formed, from its ``QuorumFormed`` event) is printed too,
   with ``formed`` (t0 -> the leader formed the quorum) and ``fan-out`` (formed
   -> the last member has its answer), and the CPU time all member processes
-  spent per round (between rounds included: heartbeats go on).
+  spent per round (between rounds included: heartbeats go on). The largest
+  size is measured again with ``quorum.standing`` on (experimental, off by
+  default): the rounds follow each other as steps do, so the leader grants its
+  quorum ahead and most are answered by each member on the spot
+  (``summary.standing_round``, the same keys as a case).
 * messages per round: every message any agent sent during the measured
   rounds (joins, announcements, and the heartbeats/acks that fell inside),
   divided by the number of rounds; an announcement published once on the
@@ -87,6 +91,8 @@ class HostSpec:
     #: Ranks each replica advertises in its quorum address (0: the agent's own
     #: address), as the worker does with ``ReplicaEndpoints`` (shadow mode).
     ranks: int = 0
+    #: ``quorum.standing`` (off by default: every step is a full round).
+    standing: bool = False
 
 
 def advertised(replica_id: int, ranks: int) -> str:
@@ -106,7 +112,8 @@ def host_main(conn: Any, spec: HostSpec) -> None:
     """Run the agents of ``spec.hosted`` on one loop and obey the coordinator."""
     loop = AgentLoop(name=f"bench-host-{spec.hosted[0]}").start()
     directory = FileDirectory(spec.directory, spec.secret, JOB)
-    agents = [QuorumAgent(r, range(spec.replicas), directory, spec.secret, QuorumConfig(),
+    config = QuorumConfig(standing=spec.standing)
+    agents = [QuorumAgent(r, range(spec.replicas), directory, spec.secret, config,
                           job_id=JOB, loop=loop, electable=spec.electable or r == 0)
               for r in spec.hosted]
     addresses = {r: advertised(r, spec.ranks) if spec.ranks else None for r in spec.hosted}
@@ -191,7 +198,7 @@ def _round(loop: AgentLoop, agents: list[QuorumAgent], addresses: dict[int, str 
 
 class Hosts:
     def __init__(self, layout: list[tuple[int, ...]], replicas: int, electable: bool,
-                 ranks: int = 0) -> None:
+                 ranks: int = 0, standing: bool = False) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="quorum-bench-")
         secret = new_job_secret()
         ctx = mp.get_context("spawn")
@@ -201,7 +208,7 @@ class Hosts:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=host_main, daemon=True,
                                args=(theirs, HostSpec(hosted, replicas, secret, self._tmp.name,
-                                                      electable, ranks)))
+                                                      electable, ranks, standing)))
             proc.start()
             self.pipes.append(ours)
             self.procs.append(proc)
@@ -263,13 +270,14 @@ def layout_for(members: int) -> list[tuple[int, ...]]:
                      for i in range(0, len(followers), per_host)]
 
 
-def start_hosts(members: int, ranks: int = 0) -> Hosts:
+def start_hosts(members: int, ranks: int = 0, standing: bool = False) -> Hosts:
     """Hosts with every agent started and replica 0 leading."""
     # With hundreds of agents per process, only replica 0 may campaign: one
     # election among 1,000 voters all on two shared cores takes longer than the
     # election slot it is sized for (QuorumConfig.election_slot), and the
     # benchmark measures the rounds, not the election.
-    hosts = Hosts(layout_for(members), members, electable=members <= 12, ranks=ranks)
+    hosts = Hosts(layout_for(members), members, electable=members <= 12, ranks=ranks,
+                  standing=standing)
     try:
         hosts.ask("begin")
         wait_for(lambda: hosts.leader() is not None, 120)
@@ -292,8 +300,9 @@ def round_once(hosts: Hosts, step: int, expect: int, timeout: float = 30.0
     return max(r["last"] for r in replies if r["answered"]) - t0, replies
 
 
-def measure_rounds(members: int, rounds: int, ranks: int = 0) -> dict[str, Any]:
-    hosts = start_hosts(members, ranks)
+def measure_rounds(members: int, rounds: int, ranks: int = 0,
+                   standing: bool = False) -> dict[str, Any]:
+    hosts = start_hosts(members, ranks, standing)
     try:
         latencies = []
         windows = []
@@ -490,6 +499,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{case['formed_p50_ms']:>14.2f} {case['fan_out_p50_ms']:>15.2f} "
               f"{case['cpu_ms_per_round']:>13.1f} {case['leader_cpu_ms_per_round']:>20.1f}",
               flush=True)
+    largest = max(case["members"] for case in cases)
+    standing = measure_rounds(largest, args.rounds, standing=True)
+    print(f"{largest} members, steps on the leader's grant (quorum.standing on): "
+          f"p50 {standing['p50_ms']:.2f} ms, p99 {standing['p99_ms']:.2f} ms, "
+          f"{standing['messages_per_round']:.1f} msgs/round, "
+          f"cpu {standing['cpu_ms_per_round']:.1f} ms/round", flush=True)
     runs = [measure_failover() for _ in range(args.failover_runs)]
     failover = statistics.median(runs) if runs else float("nan")
     print(f"leader failover (5 members, default timeouts): median {failover:.2f} s, "
@@ -504,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = {"failover_s": round(failover, 3), "failover_runs_s": [round(r, 3) for r in runs],
                    "failover_members": 5,
                    "two_replica_survivor_stall_s": round(stall["stall_s"], 3),
-                   "two_replica_survivor_stall_bound_s": round(stall["bound_s"], 3)}
+                   "two_replica_survivor_stall_bound_s": round(stall["bound_s"], 3),
+                   "standing_round": standing}
         args.json.write_text(json.dumps({"cases": cases, "summary": summary}, indent=2) + "\n")
     return 0
 

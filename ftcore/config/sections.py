@@ -107,6 +107,12 @@ class QuorumConfig(_Section):
     #: More witnesses, each an ``ft-launch witness --index K`` (K = 1..witnesses) on a
     #: login or service node; the witnesses share replicas - 1 votes between them.
     witnesses: int = _count(0, 0, 64)
+    #: While nothing changes, the members of the last quorum go on with it from step
+    #: to step without a round: the leader's heartbeats grant it a few steps ahead
+    #: (``launcher.quorum.standing``). Off: every step runs a round (joins, answers).
+    #: Off by default until a member sent to a round while the others stand can no
+    #: longer hold their all-reduce up to ftar.timeout (seen under load).
+    standing: bool = False
 
     def rules(self) -> Iterable[tuple[str, str]]:
         if self.election_timeout <= self.heartbeat_interval:

@@ -28,7 +28,11 @@ run directory before it answers on them, and reads them back when it restarts
 (``witness.Memory``), so a restart neither makes it vote twice in a term (two
 leaders in one term) nor makes a witness forget which side trained.
 A leader publishes its broadcasts once on a feed that every follower's process
-reads (``feed``), instead of sending one copy per member.
+reads (``feed``), instead of sending one copy per member. While steps come
+faster than a round is worth and nothing changes, the members go on with the
+last quorum from step to step on the leader's grant, without a round
+(``standing``, ``quorum.standing``); any change (a join, a silent member, a
+failed commit, a new term) brings the rounds back within the grant's few steps.
 """
 
 from .agent import PendingQuorum, QuorumAgent
@@ -43,6 +47,7 @@ from .events import (
                      MembersLivenessChanged,
                      QuorumFormed,
                      QuorumJoined,
+                     StandingEnded,
 )
 from .loop import AgentLoop
 from .model import Health, Quorum, QuorumMember, QuorumParams, Role
@@ -53,6 +58,7 @@ __all__ = [
     "MajorityLost", "MajorityLostError", "MajorityRegained", "MembersLivenessChanged",
     "PeerDirectory", "PeerRecord", "PendingQuorum", "Quorum", "QuorumAgent", "QuorumFormed",
     "QuorumJoined", "QuorumMember", "QuorumParams", "QuorumStats", "QuorumStatus",
-    "QuorumStoppedError", "QuorumTimeoutError", "Role", "StaticDirectory", "decide",
+    "QuorumStoppedError", "QuorumTimeoutError", "Role", "StandingEnded", "StaticDirectory",
+    "decide",
     "initial_state", "next_deadline",
 ]

@@ -46,7 +46,7 @@ def compact(announce: QuorumAnnounced, base: Quorum) -> QuorumDeltaAnnounced | N
     removed: tuple[int, ...] = ()
     added: tuple[tuple[int, str, Health], ...] = ()
     if new == old:
-        _share_views(q, base)
+        share_views(q, base)
     else:
         known = {entry[0]: entry for entry in old}
         members = q.index_of
@@ -94,7 +94,7 @@ def expand(delta: QuorumDeltaAnnounced, base: Quorum) -> Quorum:
     quorum = Quorum(delta.quorum_id, members, top, tuple(sorted(steps)), delta.term,
                     delta.leader_id)
     if roster is base.roster:
-        _share_views(quorum, base)
+        share_views(quorum, base)
     with _EXPANDED_LOCK:
         _EXPANDED[key] = quorum
         if len(_EXPANDED) > _EXPANDED_SIZE:
@@ -108,7 +108,7 @@ def _remember(delta: QuorumDeltaAnnounced, base: Quorum, quorum: Quorum) -> None
     _LAST = (delta, base, quorum)  # one assignment: safe to read from any thread
 
 
-def _share_views(quorum: Quorum, base: Quorum) -> None:
+def share_views(quorum: Quorum, base: Quorum) -> None:
     """Seed ``quorum``'s derived views from ``base``, whose roster it has:
     equal values, computed once (they are caches, not fields)."""
     for name in ("replica_ids", "index_of", "roster", "digest"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from . import standing
 from .model import Heartbeat, HeartbeatAcked, Role, TimeoutNow, VoteAnswered, VoteRequested, evolve
 from .state import (
     Action,
@@ -244,7 +245,9 @@ def on_heartbeat(s: QuorumState, sender: int, msg: Heartbeat, now: float) -> Out
     if new_leader or now - e.acked_at >= s.params.ack_interval:
         election = evolve(election, acked_at=now)
         actions.append(Send((sender,), HeartbeatAcked(e.term)))
-    return evolve(s, election=election), actions
+    s = evolve(s, election=election)
+    s, more = standing.on_grant(s, msg.standing)
+    return s, actions + more
 
 
 # --------------------------------------------------------------------------- timers
@@ -275,14 +278,17 @@ def leader_tick(s: QuorumState, now: float) -> Outcome:
     if lost or recovered:
         actions.append(NotifyLivenessChanged(lost, recovered))
     suspects = tuple(sorted(s.voters - fresh))
+    s = standing.extend(s, fresh, now)
     lead = s.leadership
+    grant = lead.standing
     to = s.others
-    if suspects == lead.suspects_sent:
+    if suspects == lead.suspects_sent and grant == lead.standing_sent:
         to = tuple(p for p in to if p not in lead.contacted)
     if to:
-        actions.append(Send(to, Heartbeat(e.term, suspects)))
+        actions.append(Send(to, Heartbeat(e.term, suspects, grant)))
     election = evolve(e, heartbeat_due=now + s.params.heartbeat_interval)
-    leadership = evolve(lead, live=fresh, contacted=frozenset(), suspects_sent=suspects)
+    leadership = evolve(lead, live=fresh, contacted=frozenset(), suspects_sent=suspects,
+                        standing_sent=grant)
     return evolve(s, election=election, leadership=leadership), actions
 
 

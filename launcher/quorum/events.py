@@ -68,6 +68,18 @@ class MembersLivenessChanged(Event):
 
 
 @dataclass(frozen=True)
+class StandingEnded(Event):
+    """The leader ended its grant for ``quorum_id`` at step ``through``
+    (``standing``): replica ``ended_by`` asked for a round instead, so the
+    all-reduce of a later step of that quorum waits for it in vain."""
+
+    replica_id: int
+    quorum_id: int
+    through: int
+    ended_by: int
+
+
+@dataclass(frozen=True)
 class MajorityLost(Event):
     replica_id: int
     reachable: list[int]

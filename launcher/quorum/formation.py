@@ -20,9 +20,9 @@ All functions are pure: ``(state, ..., now) -> (state, actions)``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
-from . import witness
+from . import standing, witness
 from .delta import answers, compact, expand
 from .model import (
     Health,
@@ -61,7 +61,7 @@ def on_join(s: QuorumState, sender: int, join: JoinRequested, now: float) -> Out
     return on_joins(s, ((sender, join),), now)
 
 
-def on_joins(s: QuorumState, joins: Iterable[tuple[int, JoinRequested]], now: float, *,
+def on_joins(s: QuorumState, joins: Sequence[tuple[int, JoinRequested]], now: float, *,
              heard_before: float = NEVER) -> Outcome:
     """``(sender, join)`` pairs in order, as many ``on_join`` would take them:
     the same state and actions, but the round is rebuilt once per batch (and
@@ -105,7 +105,8 @@ def on_joins(s: QuorumState, joins: Iterable[tuple[int, JoinRequested]], now: fl
             lead = s.leadership
             batch = _JoinBatch(lead, now)
             live = _live_replicas(s, lead)
-    return batch.apply(s), actions
+    s, more = standing.on_joins(batch.apply(s), joins)
+    return s, actions + more
 
 
 def _live_replicas(s: QuorumState, lead: Leadership) -> int:
@@ -216,7 +217,8 @@ def publish(s: QuorumState, pending: Pending, now: float) -> Outcome:
     recipients = tuple(m for m in sorted(joined) if m != s.me)
     s = evolve(s, leadership=evolve(lead, pending=None, answered_seq=answered_seq,
                                       last_announce=announce, last_formed=quorum,
-                                      contacted=lead.contacted.union(recipients)))
+                                      contacted=lead.contacted.union(recipients),
+                                      standing=None))
     actions: list[Action] = [NotifyQuorumFormed(quorum, now - pending.opened_at)]
     actions += announcements(announce, pending.base, recipients, joined)
     if s.me in joined:
@@ -275,6 +277,9 @@ def next_quorum_id(previous: Quorum | None, members: tuple[QuorumMember, ...],
 
 
 def request_quorum(s: QuorumState, request: QuorumRequested, now: float) -> Outcome:
+    quorum = standing.answer(s, request.next_step, request.address, request.health)
+    if quorum is not None:
+        return standing.deliver(s, quorum)
     m = s.member
     last = m.last_quorum.quorum_id if m.last_quorum is not None else 0
     seq = m.join_seq + 1

@@ -158,12 +158,26 @@ class VoteAnswered:
 
 
 @dataclass(frozen=True)
+class Standing:
+    """The leader's grant: the members of quorum ``quorum_id`` may go on with it,
+    without a round, up to step ``through`` (``standing``). ``ended_by``: the
+    member whose join for step ``through + 1`` ended it there (its ring would wait
+    for that member in vain beyond it); None while the grant stands."""
+
+    quorum_id: int
+    through: int
+    ended_by: int | None = None
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """The leader's lease renewal; ``suspects`` are configured members it has not
-    heard from within ``member_timeout`` (a next leader starts from that view)."""
+    heard from within ``member_timeout`` (a next leader starts from that view);
+    ``standing``: the leader's grant for its last quorum, if any."""
 
     term: int
     suspects: tuple[int, ...] = ()
+    standing: Standing | None = None
 
 
 @dataclass(frozen=True)
@@ -307,6 +321,9 @@ class QuorumParams:
     #: answers per ``member_timeout``, not one per heartbeat (that would be
     #: 5,000 messages/s into the leader at 1,000 members).
     ack_interval: float = 0.75
+    #: Members may go on with the last quorum while the leader grants it
+    #: (``standing``).
+    standing: bool = False
 
     @classmethod
     def from_config(cls, config: QuorumConfig, voters: int) -> QuorumParams:
@@ -325,6 +342,7 @@ class QuorumParams:
             election_spread=max(config.election_timeout, voters * config.election_slot),
             member_timeout=config.member_timeout,
             ack_interval=max(config.heartbeat_interval, config.member_timeout / 4),
+            standing=config.standing,
         )
 
 

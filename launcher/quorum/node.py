@@ -49,6 +49,7 @@ from .state import (
     NotifyMajorityLost,
     NotifyMajorityRegained,
     NotifyQuorumFormed,
+    NotifyStandingEnded,
     QuorumRequested,
     QuorumState,
     Send,
@@ -441,6 +442,10 @@ class QuorumNode:
             log.info("replica %d: members lost %s, recovered %s", me, list(action.lost),
                      list(action.recovered))
             event = ev.MembersLivenessChanged(me, list(action.lost), list(action.recovered))
+        elif isinstance(action, NotifyStandingEnded):
+            log.info("replica %d: quorum %d stands through step %d only: replica %d asked "
+                     "for a round", me, action.quorum_id, action.through, action.ended_by)
+            event = ev.StandingEnded(me, action.quorum_id, action.through, action.ended_by)
         emit = self.emit
         if emit is None:
             return

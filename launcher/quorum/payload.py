@@ -25,6 +25,7 @@ from .model import (
     QuorumAnnounced,
     QuorumDeltaAnnounced,
     QuorumMember,
+    Standing,
     TimeoutNow,
     VoteAnswered,
     VoteRequested,
@@ -53,6 +54,8 @@ _DELTA = struct.Struct("!qiq16sIIIII")  # quorum_id, leader_id, max_step, digest
 _ENTRY = struct.Struct("!iBI")          # replica_id, health, address bytes
 _ENDORSE = struct.Struct("!qqBI")       # step, quorum_id, required, members
 _ENDORSED = struct.Struct("!qB")        # quorum_id, granted
+_GRANT = struct.Struct("!qqi")          # standing quorum_id (0: none), through, ended_by
+_NO_GRANT = _GRANT.pack(0, 0, -1)
 
 
 class _Reader:
@@ -99,7 +102,11 @@ def encode_payload(message: Message) -> tuple[Kind, bytes]:
     if isinstance(message, VoteAnswered):
         return Kind.VOTE_ANSWERED, bytes([message.granted, message.pre_vote])
     if isinstance(message, Heartbeat):
-        return Kind.HEARTBEAT, _array("i", message.suspects)
+        grant = message.standing
+        return Kind.HEARTBEAT, (
+            _GRANT.pack(grant.quorum_id, grant.through,
+                        -1 if grant.ended_by is None else grant.ended_by) if grant
+            else _NO_GRANT) + _array("i", message.suspects)
     if isinstance(message, EndorseRequested):
         return Kind.ENDORSE_REQUESTED, _ENDORSE.pack(
             message.step, message.quorum_id, message.required,
@@ -126,7 +133,15 @@ def decode_payload(kind: Kind, term: int, payload: bytes) -> Message:
     if kind is Kind.VOTE_ANSWERED:
         return VoteAnswered(term, granted=bool(payload[0]), pre_vote=bool(payload[1]))
     if kind is Kind.HEARTBEAT:
-        return Heartbeat(term, struct.unpack(f"!{len(payload) // 4}i", payload))
+        r = _Reader(payload)
+        quorum_id, through, ended_by = r.fields(_GRANT)
+        if (len(payload) - _GRANT.size) % 4:
+            raise ValueError(f"a heartbeat of {len(payload)} bytes")
+        suspects = r.array("i", (len(payload) - _GRANT.size) // 4)
+        r.done()
+        return Heartbeat(term, suspects, Standing(quorum_id, through,
+                                                  None if ended_by < 0 else ended_by)
+                         if quorum_id else None)
     if kind is Kind.HEARTBEAT_ACKED:
         return HeartbeatAcked(term)
     if kind is Kind.ENDORSE_REQUESTED:

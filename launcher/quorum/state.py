@@ -19,6 +19,7 @@ from .model import (
     QuorumAnnounced,
     QuorumParams,
     Role,
+    Standing,
 )
 
 NEVER = -math.inf
@@ -118,6 +119,17 @@ class NotifyQuorumFormed:
 
 
 @dataclass(frozen=True)
+class NotifyStandingEnded:
+    """The leader ended the grant for ``quorum_id`` at step ``through``: member
+    ``ended_by`` asked for a round, so a ring of that quorum for a later step
+    waits for it in vain and must give up now."""
+
+    quorum_id: int
+    through: int
+    ended_by: int
+
+
+@dataclass(frozen=True)
 class NotifyLivenessChanged:
     """Which members are alive changed: the leader's own view, or at a follower
     the suspects the leader's heartbeats carry."""
@@ -138,7 +150,7 @@ class NotifyMajorityRegained:
 
 Action = (Send | DeliverQuorum | FailQuorumRequest | NotifyLeaderElected |
           NotifyLeadershipLost | NotifyQuorumFormed | NotifyLivenessChanged |
-          NotifyMajorityLost | NotifyMajorityRegained)
+          NotifyStandingEnded | NotifyMajorityLost | NotifyMajorityRegained)
 
 # --------------------------------------------------------------------------- state
 
@@ -209,6 +221,14 @@ class Leadership:
     #: A formed quorum whose members alone are short of a majority of the
     #: votes, waiting for the witnesses' endorsements before it is announced.
     pending: Pending | None = None
+    #: The grant for ``last_formed`` (``standing``), the one the last heartbeat
+    #: carried, and this replica's own step at the last tick, with the time.
+    standing: Standing | None = None
+    standing_sent: Standing | None = None
+    step_clock: tuple[int, float, float] | None = None
+    #: Members sent the grant again for a join that only missed it, by join_seq
+    #: (the same join once more ends the grant: the member could not use it).
+    granted_late: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -234,6 +254,8 @@ class Membership:
     join_seq: int = 0
     commit_failed: bool = False
     last_quorum: Quorum | None = None
+    #: The leader's grant for ``last_quorum`` (``standing``), heard since it came.
+    standing: Standing | None = None
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from .payload import Kind, decode_payload, encode_payload
 __all__ = ["BROADCAST", "DOMAIN", "FEED_DOMAIN", "MAX_ADDRESS_BYTES", "ON_FEED", "Codec", "Envelope", "Rejected",
            "Rejection", "ReplayGuard", "max_message_bytes"]
 
-VERSION = 3
+VERSION = 4
 DOMAIN = b"ftl-quorum/1"
 FEED_DOMAIN = b"ftl-quorum-feed/1"
 # version, kind, sender, to, incarnation, nonce, sent_at, term, address bytes,

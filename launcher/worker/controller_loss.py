@@ -4,8 +4,11 @@ Nobody would recover the replicas any more, and Slurm keeps a batch job whose
 batch host is dead RUNNING (with ``--no-kill``) until its time limit. So the
 workers end the allocation themselves, within a bound, without losing state:
 
-1. every rank of a replica learns it at the same step boundary (rank 0 watches
-   the heartbeat and tells its ranks with the quorum's answer);
+1. every replica of a step learns it at that step's start: rank 0 watches the
+   heartbeat and tells its ranks with the quorum's answer, and every rank adds
+   the finding to the step's contribution all-reduce, so all members stop
+   together, before the step trains, with the same last quorum (a member that
+   stopped alone would hold up a ring its standing quorum still counts it in);
 2. one replica, the lowest of the last quorum, writes the newest committed step
    to the persistent tier (every rank its shard), then its rank 0 requeues the
    job (``scontrol requeue``; a job that cannot be requeued is cancelled);

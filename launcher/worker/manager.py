@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from ckpt.errors import LayoutMismatchError, NoCheckpointError
 from ckpt.fetch import Peer
 from ckpt.held import HeldFiles
@@ -48,7 +50,7 @@ from ftcore.errors import FtError, RecoverableError, TerminalAbort
 from ftcore.events import EventLog
 from ftcore.slurm.client import SlurmCli
 from launcher.heartbeat import ControllerWatchThread
-from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent
+from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent, StandingEnded
 from launcher.quorum.events import Event as QuorumEvent
 from launcher.quorum.witness_service import MemoryFile, replica_memory_path, run_witnesses
 
@@ -183,6 +185,8 @@ class Manager:
         # the last quorum's members: a step's plan is cleared when it starts, and the
         # lowest of these saves the state when the controller is lost (controller_loss)
         self._last_members: tuple[int, ...] = ()
+        #: Set when rank 0 found the controller lost (``_quorum_view``).
+        self._stopping: ControllerLostNotice | None = None
         self._catch_up: Any = None
         self._contribution: StepContribution | None = None
         self._error: BaseException | None = None
@@ -365,8 +369,17 @@ class Manager:
         training = plan.kind is StepKind.TRAIN
         counts = self._ledger.contribution_vector(self._identity.replica_id,
                                                  self._batch_size if training else 0)
-        self._ftar.allreduce(counts, op=ReduceOp.SUM, step=plan.step)
-        self._contribution = self._ledger.decode(plan.step, counts)
+        # and whether this replica found the controller lost: the members of the
+        # step all stop at its start together, with the same newest committed step
+        # and the same last quorum, whose lowest member saves (controller_loss)
+        shared = np.append(counts, 1.0 if self._stopping is not None else 0.0)
+        self._ftar.allreduce(shared, op=ReduceOp.SUM, step=plan.step)
+        if shared[-1] > 0:
+            self._end_without_controller(
+                self._stopping.reason if self._stopping is not None else
+                f"no controller heartbeat for {self._config.runtime.controller_timeout:g} s "
+                "at another replica of the step")
+        self._contribution = self._ledger.decode(plan.step, shared[:-1])
 
     def _join_quorum(self) -> StepPlan:
         """The quorum for the next step. One that cannot form yet (election,
@@ -401,14 +414,17 @@ class Manager:
     def _quorum_view(self) -> QuorumView:
         """Rank 0 asks the quorum; every rank of the replica gets its answer (or error)."""
         answer: QuorumView | ControllerLostNotice | str | None = None
+        notice = None
         if self._controller is not None and self._controller.lost.is_set():
-            answer = ControllerLostNotice(self._controller.reason)
-        elif self._agent is not None:
+            notice = ControllerLostNotice(self._controller.reason)
+        if self._agent is not None:
             try:
                 answer = self._ask_quorum()
             except RecoverableError as error:
                 answer = str(error)
-        answer = self._group.broadcast(answer)
+        if notice is not None and not isinstance(answer, QuorumView):
+            answer = notice   # no step to stop at with the others: stop now
+        answer, self._stopping = self._group.broadcast((answer, notice))
         if isinstance(answer, ControllerLostNotice):
             self._end_without_controller(answer.reason)
         if isinstance(answer, str):
@@ -522,22 +538,33 @@ class Manager:
     def _on_quorum_event(self, event: QuorumEvent) -> None:
         """On the quorum's loop thread. A replica the quorum lost (its heartbeats
         stopped) that is in this step's ring fails the all-reduce now: a hung or
-        unplugged replica sends no FIN, and the ring alone would wait ``ftar.timeout``."""
+        unplugged replica sends no FIN, and the ring alone would wait ``ftar.timeout``.
+        So does a step of a standing quorum that its leader ended before it: a member
+        asked for a round instead and will not come."""
         plan = self._plan
-        if not isinstance(event, MembersLivenessChanged) or plan is None:
+        if plan is None:
             return
-        for replica in event.lost:
-            if replica != self._identity.replica_id and replica in plan.members:
+        if isinstance(event, MembersLivenessChanged):
+            detail = f"silent for {self._config.quorum.member_timeout:g} s"
+            gone = [r for r in event.lost if r != self._identity.replica_id]
+        elif isinstance(event, StandingEnded) and event.quorum_id == plan.quorum_id \
+                and plan.step > event.through and self._next_step <= plan.step:
+            detail = f"asked for a round: quorum {event.quorum_id} stands through step " \
+                     f"{event.through} only"
+            gone = [event.ended_by] if event.ended_by != self._identity.replica_id else []
+        else:
+            return
+        for replica in gone:
+            if replica in plan.members:
                 # Off the loop thread: telling the neighbours may wait for a frame boundary.
                 threading.Thread(target=self._fail_rings, name="ftar-member-lost",
-                                 args=(plan.quorum_id, plan.members.index(replica), replica),
-                                 daemon=True).start()
+                                 args=(plan.quorum_id, plan.members.index(replica), replica,
+                                       detail), daemon=True).start()
 
-    def _fail_rings(self, quorum_id: int, index: int, replica: int) -> None:
+    def _fail_rings(self, quorum_id: int, index: int, replica: int, detail: str) -> None:
         """Fail this rank's ring, then relay to the other ranks of the replica (only
         rank 0 hears the quorum); each rank's ring has the same member order."""
-        self._ftar.member_lost(quorum_id, index, f"replica {replica} silent for "
-                                                f"{self._config.quorum.member_timeout:g} s")
+        self._ftar.member_lost(quorum_id, index, f"replica {replica} {detail}")
         for rank, address in enumerate(self._endpoints.ftar):
             if rank == self._identity.rank:
                 continue

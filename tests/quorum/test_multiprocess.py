@@ -125,3 +125,32 @@ def test_forged_and_replayed_messages_are_dropped(make_cluster: MakeCluster) -> 
     assert cluster.status(1).term == term  # the forged vote changed nothing
     second = cluster.round([0, 1, 2], 2)
     assert second.replica_ids == (0, 1, 2) and second.quorum_id == first.quorum_id
+
+
+def test_steady_steps_go_on_without_rounds_and_a_newcomer_is_admitted(
+        make_cluster: MakeCluster) -> None:
+    """``quorum.standing``: while the members step quickly, each is answered from the
+    leader's grant, not by a round (which costs every follower a join a step); the
+    answers stay identical. A member that arrives is taken in when the grants run out."""
+    cluster = make_cluster(3, replicas=4, config=dataclasses.replace(FAST_CONFIG, standing=True))
+    first = cluster.first_round([0, 1, 2])
+    for step in range(2, 31):   # the leader learns the pace and grants ahead
+        cluster.round([0, 1, 2], step)
+    follower = next(r for r in (0, 1, 2) if r != cluster.leader())
+    sent_before = cluster.members[follower].call("stats")["sent"]
+    started = time.monotonic()
+    steps = 60
+    for step in range(31, 31 + steps):
+        quorum = cluster.round([0, 1, 2], step)
+        assert (quorum.quorum_id, quorum.replica_ids, quorum.max_step) == \
+            (first.quorum_id, (0, 1, 2), step)
+    elapsed = time.monotonic() - started
+    sent = cluster.members[follower].call("stats")["sent"] - sent_before
+    # In rounds a follower sends at least a join a step. Standing, it sends its
+    # heartbeat acknowledgements (one per ack_interval at most) and a join where
+    # it ran out of grant before the next heartbeat extended it.
+    ack_interval = max(FAST_CONFIG.heartbeat_interval, FAST_CONFIG.member_timeout / 4)
+    assert sent < steps / 2 + elapsed / ack_interval + 2, (sent, elapsed)
+    cluster.start(3)
+    joined = cluster.settled_round([0, 1, 2, 3], 31 + steps, expect=[0, 1, 2, 3])
+    assert joined.quorum_id > first.quorum_id

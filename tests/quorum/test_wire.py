@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
 import pytest
@@ -16,10 +17,12 @@ from launcher.quorum.model import (
     QuorumAnnounced,
     QuorumDeltaAnnounced,
     QuorumMember,
+    Standing,
     TimeoutNow,
     VoteAnswered,
     VoteRequested,
 )
+from launcher.quorum.payload import Kind, decode_payload
 from launcher.quorum.wire import BROADCAST, Codec, Rejected, Rejection, ReplayGuard
 
 SECRET = new_job_secret()
@@ -32,6 +35,8 @@ MESSAGES = [
     VoteAnswered(4, granted=True, pre_vote=False),
     Heartbeat(5, suspects=(2, 7)),
     Heartbeat(5),
+    Heartbeat(5, suspects=(3,), standing=Standing(9, 1_234_567)),
+    Heartbeat(5, standing=Standing(9, 1_234_567, ended_by=4)),
     HeartbeatAcked(6),
     TimeoutNow(6),
     JoinRequested(6, 120, "tcp://h:1", Health.DEGRADED, 9, 1_700_000_000_000_000_001, True),
@@ -125,3 +130,9 @@ def test_the_mac_is_ftcore_sign_over_the_domain_the_job_and_the_data() -> None:
     from launcher.quorum.wire import DOMAIN
     data, mac = seal(VoteRequested(3))
     assert mac == sign(SECRET, DOMAIN, JOB.encode(), data)
+
+
+@pytest.mark.parametrize("body", [b"", b"\x00" * 19, b"\x00" * 23, b"\x00" * 20 + b"\x01"])
+def test_a_heartbeat_body_of_the_wrong_length_is_malformed(body: bytes) -> None:
+    with pytest.raises((ValueError, struct.error)):
+        decode_payload(Kind.HEARTBEAT, 1, body)

@@ -50,7 +50,10 @@ def test_a_loss_spike_is_rolled_back_to_the_backup_before_it_and_trained_again(
     assert sorted(e.replica_id for e in relaunched) == [0, 1, 2]
 
     # each restarted from the newest backup its nodes held from before the spike
-    restored = run.worker_events(worker_events.StateRestored)
+    # (a replica that started late on a busy machine may also have restored the
+    # others' first persisted step before the spike)
+    restored = [e for e in run.worker_events(worker_events.StateRestored)
+                if e.time > spiked.time]
     assert len(restored) == 3 and all(e.tier == TierKind.PEER.value for e in restored), restored
     assert all(SPIKE - 2 * BACKUP_EVERY <= e.step < SPIKE for e in restored), restored
     newest = max(e.step for e in restored)
