@@ -179,11 +179,10 @@ def extend(s: QuorumState, fresh: frozenset[int], now: float) -> QuorumState:
         clock = (step, now, 0.0)
     elif step > clock[0]:
         clock = (step, now, (step - clock[0]) / max(now - clock[1], 1e-9))
-    grant = lead.standing
-    if not fresh.issuperset(own.replica_ids):
-        grant = None
+    all_live = fresh.issuperset(own.replica_ids)
+    grant = lead.standing if all_live else None
     ahead = math.floor(clock[2] * horizon(s))
-    if ahead >= 1 and _steady(s, own, fresh):
+    if ahead >= 1 and all_live and _steady(s, own):
         through = step + ahead
         if grant is None or through > grant.through:
             grant = Standing(own.quorum_id, through)
@@ -239,14 +238,12 @@ def _only_late(join: JoinRequested, member: QuorumMember, grant: Standing) -> bo
             and join.address in ("", member.address))
 
 
-def _steady(s: QuorumState, own: Quorum, fresh: frozenset[int]) -> bool:
-    """Nothing asks for a round: the leader formed its own last quorum in this
-    term, every member is live, no join or endorsement is pending."""
+def _steady(s: QuorumState, own: Quorum) -> bool:
+    """Nothing else asks for a round: the leader formed its own last quorum in
+    this term, no join or endorsement is pending."""
     lead = s.leadership
     formed = lead.last_formed
     if formed is None or formed.quorum_id != own.quorum_id or formed.term != s.term \
             or formed.leader_id != s.me or s.me not in own.index_of:
         return False
-    if lead.pending is not None or (lead.round is not None and lead.round.joins):
-        return False
-    return fresh.issuperset(own.replica_ids)
+    return lead.pending is None and (lead.round is None or not lead.round.joins)

@@ -19,10 +19,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class StepContribution:
-    """Who trained what in one committed step: ``counts[r]`` samples of replica r."""
+    """Who trained what in one committed step: ``counts[r]`` samples of replica r;
+    ``stopping``: a member found the controller lost, and every member stops at
+    this step's start together (``controller_loss``)."""
 
     step: int
     counts: tuple[int, ...]
+    stopping: bool = False
 
     @property
     def contributors(self) -> int:
@@ -37,17 +40,23 @@ class DataLedger:
         if len(self.positions) != num_replicas:
             raise ValueError(f"ledger of {len(self.positions)} replicas, job has {num_replicas}")
 
-    def contribution_vector(self, replica_id: int, batch_size: int) -> np.ndarray:
-        """This member's share of the contribution all-reduce (SUM, float64 exact)."""
-        vector = np.zeros(len(self.positions), dtype=np.float64)
+    def contribution_vector(self, replica_id: int, batch_size: int,
+                            stopping: bool = False) -> np.ndarray:
+        """This member's share of the contribution all-reduce (SUM, float64 exact):
+        its samples, and last whether it stops (found the controller lost)."""
+        vector = np.zeros(len(self.positions) + 1, dtype=np.float64)
         vector[replica_id] = batch_size
+        vector[-1] = 1.0 if stopping else 0.0
         return vector
 
     def decode(self, step: int, summed: np.ndarray) -> StepContribution:
-        counts = tuple(round(float(v)) for v in summed)
-        if any(c < 0 for c in counts) or not np.allclose(summed, counts):
+        if len(summed) != len(self.positions) + 1:
+            raise ValueError(f"contribution vector of {len(summed)} entries, expected "
+                             f"{len(self.positions) + 1}")
+        counts = tuple(round(float(v)) for v in summed[:-1])
+        if any(c < 0 for c in counts) or not np.allclose(summed[:-1], counts):
             raise ValueError(f"contribution vector {summed.tolist()} is not whole sample counts")
-        return StepContribution(step, counts)
+        return StepContribution(step, counts, stopping=bool(summed[-1] > 0))
 
     def commit(self, contribution: StepContribution) -> None:
         for replica, count in enumerate(contribution.counts):

@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from ckpt.errors import LayoutMismatchError, NoCheckpointError
 from ckpt.fetch import Peer
 from ckpt.held import HeldFiles
@@ -368,18 +366,18 @@ class Manager:
         self._loss_scale = SPIKE_SCALE if self._faults.check(FaultPoint.LOSS, plan.step) else 1.0
         training = plan.kind is StepKind.TRAIN
         counts = self._ledger.contribution_vector(self._identity.replica_id,
-                                                 self._batch_size if training else 0)
-        # and whether this replica found the controller lost: the members of the
-        # step all stop at its start together, with the same newest committed step
-        # and the same last quorum, whose lowest member saves (controller_loss)
-        shared = np.append(counts, 1.0 if self._stopping is not None else 0.0)
-        self._ftar.allreduce(shared, op=ReduceOp.SUM, step=plan.step)
-        if shared[-1] > 0:
+                                                 self._batch_size if training else 0,
+                                                 stopping=self._stopping is not None)
+        self._ftar.allreduce(counts, op=ReduceOp.SUM, step=plan.step)
+        contribution = self._ledger.decode(plan.step, counts)
+        if contribution.stopping:
+            # every member stops here, with the same newest committed step and the same
+            # last quorum, whose lowest member saves (controller_loss)
             self._end_without_controller(
                 self._stopping.reason if self._stopping is not None else
                 f"no controller heartbeat for {self._config.runtime.controller_timeout:g} s "
                 "at another replica of the step")
-        self._contribution = self._ledger.decode(plan.step, shared[:-1])
+        self._contribution = contribution
 
     def _join_quorum(self) -> StepPlan:
         """The quorum for the next step. One that cannot form yet (election,
