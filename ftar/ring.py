@@ -217,11 +217,11 @@ class FtarGroup:
         """Member ``index`` of quorum ``quorum_id``'s ring was reported lost (by the
         quorum's heartbeats): the running or next operation raises ``PeerFailedError``
         now instead of after ``timeout`` of silence, and the neighbours are told.
-        Thread safe. False if that ring is no longer the current one, or ``index``
-        is this member."""
+        ``index`` this member: it leaves the ring (the others' operation fails as
+        if it were lost). Thread safe. False if that ring is no longer the current one."""
         engine = self._engine
         if (engine is None or engine.position.quorum_id != quorum_id
-                or index == engine.position.index or not 0 <= index < engine.position.size):
+                or not 0 <= index < engine.position.size):
             return False
         engine.member_lost(index, detail)
         return True

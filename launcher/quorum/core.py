@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from . import election, formation, witness
+from . import election, formation, standing, witness
 from .model import (
     EndorseAnswered,
     EndorseRequested,
@@ -205,15 +205,17 @@ def _on_time(s: QuorumState, now: float) -> Outcome:
 
 def _follow_transitions(before: QuorumState, s: QuorumState, now: float) -> Outcome:
     """Rules that span election and formation, applied to what just changed."""
+    s, ended = standing.on_leader_change(before, s)
     m = s.member
     if m.request is None:
-        return s, []
+        return s, ended
     if s.election.majority_lost and not before.election.majority_lost:
         s = evolve(s, member=evolve(m, request=None, sent_to=None))
-        return s, [FailQuorumRequest(JoinFailure.MAJORITY_LOST, _reachable(s, now))]
+        return s, ended + [FailQuorumRequest(JoinFailure.MAJORITY_LOST, _reachable(s, now))]
     if s.leader_id is not None and m.sent_to != s.leader_id:
-        return formation.send_request(s, now)
-    return s, []
+        s, sent = formation.send_request(s, now)
+        return s, ended + sent
+    return s, ended
 
 
 def _reachable(s: QuorumState, now: float) -> tuple[int, ...]:

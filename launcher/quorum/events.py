@@ -69,9 +69,10 @@ class MembersLivenessChanged(Event):
 
 @dataclass(frozen=True)
 class StandingEnded(Event):
-    """The leader ended its grant for ``quorum_id`` at step ``through``
-    (``standing``): replica ``ended_by`` asked for a round instead, so the
-    all-reduce of a later step of that quorum waits for it in vain."""
+    """The grant for ``quorum_id`` ended at step ``through`` (``standing``):
+    replica ``ended_by`` asked for a round instead, so the all-reduce of a later
+    step of that quorum waits for it in vain; ``ended_by`` this replica: its
+    leader changed, and it leaves such an all-reduce itself."""
 
     replica_id: int
     quorum_id: int

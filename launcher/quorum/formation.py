@@ -364,7 +364,7 @@ def on_delta(s: QuorumState, delta: QuorumDeltaAnnounced, now: float, *,
 def deliver(s: QuorumState, quorum: Quorum) -> Outcome:
     m = s.member
     s = evolve(s, member=Membership(join_seq=m.join_seq, commit_failed=m.commit_failed,
-                                     last_quorum=quorum))
+                                     last_quorum=quorum, round_step=quorum.max_step))
     return s, [DeliverQuorum(quorum)]
 
 

@@ -443,8 +443,10 @@ class QuorumNode:
                      list(action.recovered))
             event = ev.MembersLivenessChanged(me, list(action.lost), list(action.recovered))
         elif isinstance(action, NotifyStandingEnded):
-            log.info("replica %d: quorum %d stands through step %d only: replica %d asked "
-                     "for a round", me, action.quorum_id, action.through, action.ended_by)
+            why = ("its leader changed" if action.ended_by == me
+                   else f"replica {action.ended_by} asked for a round")
+            log.info("replica %d: quorum %d stands through step %d only: %s",
+                     me, action.quorum_id, action.through, why)
             event = ev.StandingEnded(me, action.quorum_id, action.through, action.ended_by)
         emit = self.emit
         if emit is None:

@@ -27,8 +27,12 @@ answered by it (a commit only it failed, a new address or health, the same join
 again), would leave the others waiting for it in that step's all-reduce: the
 leader ends the grant before that step (``Standing.ended_by``) and tells every
 member at once; each worker gives up such a ring (``StandingEnded``) and retries
-the step in the round. A member found silent revokes the grant (no one steps with
-it again) and is reported lost as without standing.
+the step in the round. A late join the grant answers leaves the round (it would
+stop the grant growing, and a round would count it at its old step). A member
+found silent revokes the grant (no one steps with it again) and is reported lost
+as without standing. A grant dies with its leader: each member that learns of a
+new term, or loses its leader, leaves its ring of a standing step, since others
+may have learned first and asked the new leader for that step.
 
 Safety: a standing answer forms no quorum. It continues one that voters with a
 majority of the votes stood behind, with exactly its members, and a step
@@ -45,7 +49,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from .delta import share_views
 from .model import (
@@ -58,7 +62,7 @@ from .model import (
     Standing,
     evolve,
 )
-from .state import Action, DeliverQuorum, NotifyStandingEnded, QuorumState, Send
+from .state import Action, DeliverQuorum, NotifyStandingEnded, QuorumState, Round, Send
 
 Outcome = tuple[QuorumState, list[Action]]
 
@@ -141,6 +145,25 @@ def on_grant(s: QuorumState, grant: Standing | None) -> Outcome:
     return s, actions + delivered
 
 
+def on_leader_change(before: QuorumState, s: QuorumState) -> Outcome:
+    """The grant goes with the leader (a new term, or no leader now). Members learn
+    of the change at different moments: one that learned first asks for a round
+    for a step the grant covered, while the others may already be in that step's
+    ring, waiting for it. So each member, as it learns, gives up its own ring of
+    any step after the last a round answered (``NotifyStandingEnded`` ended by
+    itself) and asks the new leader's round for it; the rings give up one after
+    the other, and no one waits for ``ftar.timeout``."""
+    grant = before.member.standing  # the new leader's first heartbeat may have dropped it
+    if grant is None or (s.term == before.term and s.leader_id == before.leader_id):
+        return s, []
+    m = s.member
+    if m.standing == grant:
+        s = evolve(s, member=evolve(m, standing=None))
+    if grant.ended_by is not None:
+        return s, []  # ended already: the rings after it gave up then
+    return s, [NotifyStandingEnded(grant.quorum_id, m.round_step, s.me)]
+
+
 def advance(q: Quorum, step: int) -> Quorum:
     """``q`` one step on: the same id and members, every member at ``step``."""
     global _LAST
@@ -221,13 +244,26 @@ def on_joins(s: QuorumState, joins: Iterable[tuple[int, JoinRequested]]) -> Outc
         if not late:
             return s, []
         granted = {**lead.granted_late, **dict(late)}
-        return evolve(s, leadership=evolve(lead, granted_late=granted)), [
+        return evolve(s, leadership=evolve(lead, granted_late=granted,
+                                           round=_without(lead.round, dict(late)))), [
             Send(tuple(r for r, _ in late), Heartbeat(s.term, lead.suspects_sent, grant))]
     ended = Standing(grant.quorum_id, first[1] - 1, first[0])
     s = evolve(s, member=evolve(s.member, standing=ended),
                leadership=evolve(lead, standing=ended, standing_sent=ended, granted_late={}))
     return s, [Send(s.others, Heartbeat(s.term, lead.suspects_sent, ended)),
                NotifyStandingEnded(ended.quorum_id, ended.through, first[0])]
+
+
+def _without(current: Round | None, answered: Mapping[int, int]) -> Round | None:
+    """The round less the joins the grant answers: left in it, such a join would
+    keep the grant from growing, and a later round would count the member at the
+    step it asked for then while it waits for the answer to its next join."""
+    if current is None:
+        return None
+    joins = {r: j for r, j in current.joins.items() if answered.get(r) != j.join_seq}
+    if len(joins) == len(current.joins):
+        return current
+    return evolve(current, joins=joins) if joins else None
 
 
 def _only_late(join: JoinRequested, member: QuorumMember, grant: Standing) -> bool:

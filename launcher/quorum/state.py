@@ -120,9 +120,11 @@ class NotifyQuorumFormed:
 
 @dataclass(frozen=True)
 class NotifyStandingEnded:
-    """The leader ended the grant for ``quorum_id`` at step ``through``: member
-    ``ended_by`` asked for a round, so a ring of that quorum for a later step
-    waits for it in vain and must give up now."""
+    """The grant for ``quorum_id`` ended at step ``through``: member ``ended_by``
+    asked for a round (the leader ended it), so a ring of that quorum for a later
+    step waits for it in vain and must give up now; or the leader changed and
+    ``ended_by`` is this member, whose own ring of a later step gives up (the
+    others may have learned of the change first and asked for a round)."""
 
     quorum_id: int
     through: int
@@ -256,6 +258,9 @@ class Membership:
     last_quorum: Quorum | None = None
     #: The leader's grant for ``last_quorum`` (``standing``), heard since it came.
     standing: Standing | None = None
+    #: The step of the last quorum a round answered: later steps of it came from
+    #: the grant.
+    round_step: int = -1
 
 
 @dataclass(frozen=True)

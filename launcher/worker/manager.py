@@ -538,7 +538,8 @@ class Manager:
         stopped) that is in this step's ring fails the all-reduce now: a hung or
         unplugged replica sends no FIN, and the ring alone would wait ``ftar.timeout``.
         So does a step of a standing quorum that its leader ended before it: a member
-        asked for a round instead and will not come."""
+        asked for a round instead and will not come (or, ended by this replica, its
+        leader changed: it leaves the ring, see ``standing.on_leader_change``)."""
         plan = self._plan
         if plan is None:
             return
@@ -547,9 +548,10 @@ class Manager:
             gone = [r for r in event.lost if r != self._identity.replica_id]
         elif isinstance(event, StandingEnded) and event.quorum_id == plan.quorum_id \
                 and plan.step > event.through and self._next_step <= plan.step:
-            detail = f"asked for a round: quorum {event.quorum_id} stands through step " \
-                     f"{event.through} only"
-            gone = [event.ended_by] if event.ended_by != self._identity.replica_id else []
+            why = ("left the ring, its leader changed" if event.ended_by == self._identity.replica_id
+                   else "asked for a round")
+            detail = f"{why}: quorum {event.quorum_id} stands through step {event.through} only"
+            gone = [event.ended_by]
         else:
             return
         for replica in gone:

@@ -190,7 +190,6 @@ def test_a_member_the_quorum_reports_lost_fails_the_operation_at_once() -> None:
         for thread in threads:
             thread.start()
         assert not groups[0].member_lost(3, 2, "an older quorum's ring")
-        assert not groups[0].member_lost(4, 0, "this member itself")
         reported = time.monotonic()
         assert groups[0].member_lost(4, 2, "replica 2 silent for 3 s")
         for thread in threads:
@@ -202,6 +201,39 @@ def test_a_member_the_quorum_reports_lost_fails_the_operation_at_once() -> None:
             assert at - reported < config.timeout, f"took {at - reported:.1f} s"
         assert "reported lost by the quorum" in str(failed[0][0])
         assert groups[0].state is GroupState.BROKEN
+    finally:
+        for group in groups:
+            group.close()
+
+
+@pytest.mark.timeout(60)
+def test_members_that_leave_their_ring_fail_their_operation_at_once() -> None:
+    """Members give up the ring themselves (their leader changed while they stood,
+    and member 2 asked the new leader for a round): each one's operation fails at
+    once, naming itself, rather than after ``timeout`` waiting for member 2."""
+    config = FtarConfig(chunk_bytes=4096, timeout=30.0, connect_timeout=2.0)
+    groups = [FtarGroup(config, SECRET) for _ in range(3)]
+    try:
+        _form(groups, quorum_id=4)
+        failed: dict[int, PeerFailedError] = {}
+
+        def reduce(i: int) -> None:
+            try:
+                groups[i].allreduce(np.ones(50_000, np.float32), step=9)
+            except PeerFailedError as exc:
+                failed[i] = exc
+        threads = [threading.Thread(target=reduce, args=(i,)) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        left = time.monotonic()
+        assert groups[1].member_lost(4, 1, "its leader changed")
+        assert groups[0].member_lost(4, 0, "its leader changed")
+        for thread in threads:
+            thread.join(config.timeout)
+        assert time.monotonic() - left < config.timeout
+        assert set(failed) == {0, 1}
+        assert all(e.kind is FailureKind.LOST for e in failed.values())
+        assert failed[1].peer_index == 1
     finally:
         for group in groups:
             group.close()

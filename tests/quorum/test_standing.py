@@ -16,6 +16,7 @@ from launcher.quorum.model import (
     Quorum,
     QuorumMember,
     Standing,
+    VoteRequested,
     evolve,
 )
 from launcher.quorum.state import (
@@ -119,6 +120,30 @@ def test_the_next_heartbeats_grant_answers_a_join_sent_on_a_stale_one() -> None:
     s, actions = ask(granted(grant=None))
     s, actions = run(s, [MessageReceived(0, Heartbeat(TERM, (), Standing(QUORUM_ID + 1, 13)))])
     assert not delivered(actions) and s.member.standing is None
+
+
+@pytest.mark.parametrize("why, message", [
+    ("a new leader", Heartbeat(TERM + 1, (), None)),
+    ("a candidate's vote request", VoteRequested(TERM + 1, transfer=True)),
+])
+def test_a_leader_change_voids_the_grant_and_the_member_leaves_its_standing_ring(
+        why: str, message: object) -> None:
+    """The others may learn of the change first and ask a round for a step this
+    member stands at: it gives up its ring of any step after the last a round
+    answered, and asks the round itself from then on."""
+    s = granted()
+    s = evolve(s, member=evolve(s.member, round_step=8))
+    s, actions = run(s, [MessageReceived(2, message)])
+    assert s.member.standing is None, why
+    assert NotifyStandingEnded(QUORUM_ID, 8, 1) in actions, why
+    s, actions = ask(s)
+    assert not delivered(actions)
+
+
+def test_the_same_leader_keeps_the_grant() -> None:
+    s, actions = run(granted(), [MessageReceived(0, Heartbeat(TERM, (), GRANT))])
+    assert s.member.standing == GRANT
+    assert not [a for a in actions if isinstance(a, NotifyStandingEnded)]
 
 
 def test_off_a_grant_is_ignored() -> None:
@@ -445,9 +470,24 @@ def test_a_join_that_only_missed_the_grant_gets_it_again() -> None:
     (beat,) = sent(actions, Heartbeat)
     assert beat.to == (2,) and beat.message.standing == grant
     assert not [a for a in actions if isinstance(a, NotifyStandingEnded)]
+    assert s.leadership.round is None, "the grant answers the join: no round waits for it"
     s, actions = run(s, [late], now + 0.5)
     assert s.leadership.standing == Standing(QUORUM_ID, step - 1, ended_by=2)
     assert NotifyStandingEnded(QUORUM_ID, step - 1, 2) in actions
+    assert s.leadership.round.joins[2].join_seq == 5, "ended: the round answers it"
+
+
+def test_a_join_the_grant_answered_leaves_the_grant_growing() -> None:
+    """Left in the round, a late join would stop the grant at once (a round is asked
+    for), and the round at its end would count the member at that old step while
+    it waits for the answer to a later join: the others would step with it, and
+    it would wait alone."""
+    s, now = paced(steady_leader(), 50.0)
+    grant = s.leadership.standing
+    late = join(2, s.member.last_quorum.max_step + 1, last=QUORUM_ID, seq=5)
+    s, _ = run(s, [late], now)
+    s, _ = paced(s, 50.0, now=now)
+    assert s.leadership.standing.through > grant.through
 
 
 def test_a_member_that_cannot_use_a_covering_grant_joins_again() -> None:
