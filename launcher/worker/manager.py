@@ -548,8 +548,8 @@ class Manager:
             gone = [r for r in event.lost if r != self._identity.replica_id]
         elif isinstance(event, StandingEnded) and event.quorum_id == plan.quorum_id \
                 and plan.step > event.through and self._next_step <= plan.step:
-            why = ("left the ring, its leader changed" if event.ended_by == self._identity.replica_id
-                   else "asked for a round")
+            mine = event.ended_by == self._identity.replica_id
+            why = "left the ring, its leader changed" if mine else "asked for a round"
             detail = f"{why}: quorum {event.quorum_id} stands through step {event.through} only"
             gone = [event.ended_by]
         else:
