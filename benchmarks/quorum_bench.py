@@ -18,10 +18,11 @@ thread each) and replica 0, the only electable member (the others are
   with ``formed`` (t0 -> the leader formed the quorum) and ``fan-out`` (formed
   -> the last member has its answer), and the CPU time all member processes
   spent per round (between rounds included: heartbeats go on). The largest
-  size is measured again with ``quorum.standing`` on (experimental, off by
-  default): the rounds follow each other as steps do, so the leader grants its
-  quorum ahead and most are answered by each member on the spot
-  (``summary.standing_round``, the same keys as a case).
+  size is measured again with ``quorum.standing`` on and off (the cases use the
+  product default, on): with it, the rounds follow each other as steps do, so
+  the leader grants its quorum ahead and most are answered by each member on
+  the spot (``summary.standing_round``); without it, every step is a full round
+  of joins and answers (``summary.full_round``), both with the keys of a case.
 * messages per round: every message any agent sent during the measured
   rounds (joins, announcements, and the heartbeats/acks that fell inside),
   divided by the number of rounds; an announcement published once on the
@@ -91,8 +92,8 @@ class HostSpec:
     #: Ranks each replica advertises in its quorum address (0: the agent's own
     #: address), as the worker does with ``ReplicaEndpoints`` (shadow mode).
     ranks: int = 0
-    #: ``quorum.standing`` (off by default: every step is a full round).
-    standing: bool = False
+    #: ``quorum.standing`` (off: every step is a full round).
+    standing: bool = QuorumConfig().standing
 
 
 def advertised(replica_id: int, ranks: int) -> str:
@@ -198,7 +199,7 @@ def _round(loop: AgentLoop, agents: list[QuorumAgent], addresses: dict[int, str 
 
 class Hosts:
     def __init__(self, layout: list[tuple[int, ...]], replicas: int, electable: bool,
-                 ranks: int = 0, standing: bool = False) -> None:
+                 ranks: int = 0, standing: bool = QuorumConfig().standing) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="quorum-bench-")
         secret = new_job_secret()
         ctx = mp.get_context("spawn")
@@ -270,7 +271,8 @@ def layout_for(members: int) -> list[tuple[int, ...]]:
                      for i in range(0, len(followers), per_host)]
 
 
-def start_hosts(members: int, ranks: int = 0, standing: bool = False) -> Hosts:
+def start_hosts(members: int, ranks: int = 0,
+                standing: bool = QuorumConfig().standing) -> Hosts:
     """Hosts with every agent started and replica 0 leading."""
     # With hundreds of agents per process, only replica 0 may campaign: one
     # election among 1,000 voters all on two shared cores takes longer than the
@@ -301,7 +303,7 @@ def round_once(hosts: Hosts, step: int, expect: int, timeout: float = 30.0
 
 
 def measure_rounds(members: int, rounds: int, ranks: int = 0,
-                   standing: bool = False) -> dict[str, Any]:
+                   standing: bool = QuorumConfig().standing) -> dict[str, Any]:
     hosts = start_hosts(members, ranks, standing)
     try:
         latencies = []
@@ -505,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
           f"p50 {standing['p50_ms']:.2f} ms, p99 {standing['p99_ms']:.2f} ms, "
           f"{standing['messages_per_round']:.1f} msgs/round, "
           f"cpu {standing['cpu_ms_per_round']:.1f} ms/round", flush=True)
+    full = measure_rounds(largest, args.rounds, standing=False)
+    print(f"{largest} members, a full round every step (quorum.standing off): "
+          f"p50 {full['p50_ms']:.2f} ms, p99 {full['p99_ms']:.2f} ms, "
+          f"{full['messages_per_round']:.1f} msgs/round, "
+          f"cpu {full['cpu_ms_per_round']:.1f} ms/round", flush=True)
     runs = [measure_failover() for _ in range(args.failover_runs)]
     failover = statistics.median(runs) if runs else float("nan")
     print(f"leader failover (5 members, default timeouts): median {failover:.2f} s, "
@@ -520,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                    "failover_members": 5,
                    "two_replica_survivor_stall_s": round(stall["stall_s"], 3),
                    "two_replica_survivor_stall_bound_s": round(stall["bound_s"], 3),
-                   "standing_round": standing}
+                   "standing_round": standing, "full_round": full}
         args.json.write_text(json.dumps({"cases": cases, "summary": summary}, indent=2) + "\n")
     return 0
 

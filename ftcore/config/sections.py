@@ -110,9 +110,7 @@ class QuorumConfig(_Section):
     #: While nothing changes, the members of the last quorum go on with it from step
     #: to step without a round: the leader's heartbeats grant it a few steps ahead
     #: (``launcher.quorum.standing``). Off: every step runs a round (joins, answers).
-    #: Off by default until a member sent to a round while the others stand can no
-    #: longer hold their all-reduce up to ftar.timeout (seen under load).
-    standing: bool = False
+    standing: bool = True
 
     def rules(self) -> Iterable[tuple[str, str]]:
         if self.election_timeout <= self.heartbeat_interval:

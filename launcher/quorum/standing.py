@@ -40,8 +40,8 @@ commits only through the all-reduce ring of all of them (``ftar``). A replica
 cut off from the others may still be answered with its standing quorum until its
 grant runs out or its leader contact lapses (``election_timeout``), but its ring
 needs the members on the other side, which train in another ring: it commits
-nothing. Off (the default, see ``QuorumConfig.standing``), every step runs a
-round and a replica cut off is never answered at all.
+nothing. Off (``quorum.standing = false``), every step runs a round and a
+replica cut off is never answered at all.
 """
 
 from __future__ import annotations
