@@ -41,17 +41,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt.backup import BackupSender, BackupStore
-from ckpt.fetch import Peer, fetch_state, push_backup
-from ckpt.manifest import add_checksums
-from ckpt.persist import Completeness, PersistentStore, fsync_file
-from ckpt.resident import Residency, ResidentAdam
-from ckpt.restore import DiskTier, MemoryTier, PeerTier, RestoreChain, Tier, TierKind
-from ckpt.serve import StateServer
-from ckpt.snapshot import DualBufferSnapshotter
-from ckpt.torch_state import TorchStateSource
-from ftcore.config import CkptConfig
-from ftcore.ids import new_job_secret
+from ft_launch.ckpt.backup import BackupSender, BackupStore
+from ft_launch.ckpt.fetch import Peer, fetch_state, push_backup
+from ft_launch.ckpt.manifest import add_checksums
+from ft_launch.ckpt.persist import Completeness, PersistentStore, fsync_file
+from ft_launch.ckpt.resident import Residency, ResidentAdam
+from ft_launch.ckpt.restore import DiskTier, MemoryTier, PeerTier, RestoreChain, Tier, TierKind
+from ft_launch.ckpt.serve import StateServer
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt.torch_state import TorchStateSource
+from ft_launch.config import CkptConfig
+from ft_launch.ids import new_job_secret
 
 SECRET = new_job_secret()
 RESIDENT = "resident"

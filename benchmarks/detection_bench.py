@@ -64,12 +64,12 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.hang_diagnosis import hang_figures
 from benchmarks.product_run import DETECTION, FAULTS, run_with_fault, why_unavailable
-from ftcore.ids import new_job_secret
-from health.aggregation import RankPlace
-from health.channel import Collector
-from health.monitor import AlarmKind, DetectionMonitor, MonitorSettings
-from health.reporter import MetricsReporter
-from health.tracer import fail_slow_eviction, hang_eviction
+from ft_launch.health.aggregation import RankPlace
+from ft_launch.health.channel import Collector
+from ft_launch.health.monitor import AlarmKind, DetectionMonitor, MonitorSettings
+from ft_launch.health.reporter import MetricsReporter
+from ft_launch.health.tracer import fail_slow_eviction, hang_eviction
+from ft_launch.ids import new_job_secret
 
 REPLICAS, STAGES = 4, 2
 RANKS = REPLICAS * STAGES

@@ -41,8 +41,8 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from ftcore.config import QuorumConfig
-from launcher.reporting.ettr import (
+from ft_launch.config import QuorumConfig
+from ft_launch.launcher.reporting.ettr import (
     JobModel,
     RecoveryParts,
     Strategy,
@@ -52,7 +52,7 @@ from launcher.reporting.ettr import (
     periodic_failures,
     standby_size,
 )
-from launcher.reporting.plots import line_plot
+from ft_launch.launcher.reporting.plots import line_plot
 
 MIN = 60.0
 DAY = 86_400.0

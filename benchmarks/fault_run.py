@@ -35,13 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from ft_launch.launcher.worker.audit import AuditError, check_exactly_once
+from ft_launch.launcher.worker.events import StepCommitted
+from ft_launch.launcher.worker.local import LocalJob
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from launcher.worker.audit import AuditError, check_exactly_once
-from launcher.worker.events import StepCommitted
-from launcher.worker.local import LocalJob
-
 TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"
 CONFIG = {
     "FTL_QUORUM_HEARTBEAT_INTERVAL": "0.1", "FTL_QUORUM_ELECTION_TIMEOUT": "0.5",

@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- worker side
@@ -44,9 +43,8 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(REPO))
-    from ftar import FtarGroup, ReduceOp
-    from ftcore.config import FtarConfig
+    from ft_launch.config import FtarConfig
+    from ft_launch.ftar import FtarGroup, ReduceOp
 
     comm = None
     if args.mpi:
@@ -156,12 +154,10 @@ def _run_members(args: argparse.Namespace, world: int, use_mpi: bool) -> list[di
     with tempfile.TemporaryDirectory(prefix="ftar-bench-") as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
         argv = _worker_argv(args, store, out)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(REPO), os.environ.get("PYTHONPATH", "")]))
         if use_mpi:
-            procs = [subprocess.Popen(["mpiexec", "-n", str(world), *argv, "--mpi"], env=env)]
+            procs = [subprocess.Popen(["mpiexec", "-n", str(world), *argv, "--mpi"])]
         else:
-            procs = [subprocess.Popen([*argv, "--rank", str(r), "--world", str(world)], env=env)
+            procs = [subprocess.Popen([*argv, "--rank", str(r), "--world", str(world)])
                      for r in range(world)]
         codes = [p.wait(timeout=args.case_timeout) for p in procs]
         if any(codes):
@@ -231,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    sys.path.insert(0, str(REPO))
-    from ftcore.ids import new_job_secret
+    from ft_launch.ids import new_job_secret
     args.secret = new_job_secret()
     use_mpi = not args.no_mpi and _mpi_available()
     if not use_mpi:

@@ -36,9 +36,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ftcore.events import Event, NodeDrained
-from launcher.diagnosis import HangDiagnosisReported
-from launcher.events import (
+from ft_launch.events import Event, NodeDrained
+from ft_launch.launcher.diagnosis import HangDiagnosisReported
+from ft_launch.launcher.events import (
     EventTail,
     FailSlowDetected,
     NodeDrainRequested,
@@ -46,8 +46,8 @@ from launcher.events import (
     ReplicaLaunched,
     StandbyPromoted,
 )
-from launcher.reporting.runlog import commits, controller_log
-from launcher.worker.events import StepCommitted, WorkerStarted
+from ft_launch.launcher.reporting.runlog import commits, controller_log
+from ft_launch.launcher.worker.events import StepCommitted, WorkerStarted
 from tests.cluster import labcluster
 from tests.waiting import wait_until
 
@@ -59,9 +59,9 @@ REPLICAS = 3
 #: 4 s without a commit; no persistent checkpoints in the way of the timings.
 DETECTION = {"FTL_RECOVERY_LOST_TIMEOUT": "4", "FTL_RECOVERY_START_TIMEOUT": "60",
              "FTL_QUORUM_JOIN_TIMEOUT": "1", "FTL_CKPT_PERSIST_EVERY": "100000"}
-#: How the rank's log says a scripted fault fired (``launcher.worker.faults``).
+#: How the rank's log says a scripted fault fired (``ft_launch.launcher.worker.faults``).
 FAULT_LINE = "injecting fault: {action} "
-LOG_STAMP = "%Y-%m-%d %H:%M:%S,%f"          # ftcore.logs.FORMAT's asctime
+LOG_STAMP = "%Y-%m-%d %H:%M:%S,%f"          # ft_launch.logs.FORMAT's asctime
 
 
 @dataclass(frozen=True)

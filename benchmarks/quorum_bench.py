@@ -62,10 +62,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ftcore.config import QuorumConfig
-from ftcore.errors import RecoverableError
-from ftcore.ids import new_job_secret
-from launcher.quorum import (
+from ft_launch.config import QuorumConfig
+from ft_launch.errors import RecoverableError
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.quorum import (
     AgentLoop,
     FileDirectory,
     PendingQuorum,
@@ -73,8 +73,8 @@ from launcher.quorum import (
     QuorumFormed,
     Role,
 )
-from launcher.quorum.model import witness_ids
-from launcher.worker.protocol import ReplicaEndpoints
+from ft_launch.launcher.quorum.model import witness_ids
+from ft_launch.launcher.worker.protocol import ReplicaEndpoints
 
 JOB = "quorum-bench"
 #: Processes that share the followers of the 100 and 1,000 member cases.

@@ -34,8 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.reporting.runlog import commits
-from launcher.worker.events import StepCommitted
+from ft_launch.launcher.reporting.runlog import commits
+from ft_launch.launcher.worker.events import StepCommitted
 from tests.cluster import labcluster
 
 TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"

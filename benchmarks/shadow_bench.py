@@ -18,7 +18,7 @@ What runs for real, on loopback with real sockets:
   endpoints in one other process. What each rank then does with the view
   (unpickle it, ``plan_step``) is timed once, on one rank, because the ranks
   run it in parallel on their own machines.
-* **controller decision**: ``launcher.recovery.decide`` on a node fault in a
+* **controller decision**: ``ft_launch.launcher.recovery.decide`` on a node fault in a
   run of ``--replicas`` replicas.
 * **FTAR reconfiguration**: rings of ``--rings`` members, each a real
   ``FtarGroup`` (authenticated handshakes), a quarter of them per process, all
@@ -58,10 +58,10 @@ for _path in (ROOT, ROOT / "benchmarks"):
 
 import quorum_bench as qb
 
-from ftcore.config import FtarConfig
-from ftcore.ids import new_job_secret
-from launcher.reporting.plots import line_plot
-from launcher.worker.protocol import QuorumView, plan_step
+from ft_launch.config import FtarConfig
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.reporting.plots import line_plot
+from ft_launch.launcher.worker.protocol import QuorumView, plan_step
 
 TARGET_ROUND_MS = 700.0
 _FRAME = struct.Struct("!I")
@@ -200,7 +200,7 @@ def time_rank_decision(view: QuorumView, reps: int = 3) -> dict[str, float]:
 def time_controller(replicas: int, nodes_per_replica: int) -> float | None:
     """ms for the recovery controller to decide on a node fault (None if absent)."""
     try:
-        from launcher import recovery as rc
+        from ft_launch.launcher import recovery as rc
         state = rc.RunState(
             replicas=tuple(rc.Replica(r, tuple(f"n{r}-{i}" for i in range(nodes_per_replica)))
                            for r in range(replicas)),
@@ -224,7 +224,7 @@ def ftar_main(conn: Any, count: int, secret: str) -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(256 * 1024)  # hundreds of handshake and sender threads
-    from ftar import FtarGroup
+    from ft_launch.ftar import FtarGroup
     groups = [FtarGroup(SHADOW_FTAR, secret) for _ in range(count)]
     conn.send([g.address for g in groups])
     while True:

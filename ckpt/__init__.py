@@ -16,7 +16,7 @@ Modules (torch only in ``torch_state``; everything else needs numpy, h5py for
 * ``rank``: one rank's checkpointing wired together for the training loop
 * ``torch_state``: torch model / optimizer / scheduler / RNG as a state source
 
-Tunables come from ``ftcore.config.CkptConfig`` (``[ckpt]``): ``RankCheckpointer``
+Tunables come from ``ft_launch.config.CkptConfig`` (``[ckpt]``): ``RankCheckpointer``
 reads them all; the lower-level classes take them as arguments whose defaults
 are that section's defaults.
 """

@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Collection
 
-from ftcore.config import CkptConfig
+from ft_launch.config import CkptConfig
 
 from .dual import Allocator, DualBuffer, numpy_allocator
 from .errors import CheckpointCorruptError, FetchError, NoCheckpointError

@@ -12,7 +12,7 @@ import errno
 import os
 from typing import Any
 
-from ftcore.errors import FatalError, RecoverableError
+from ft_launch.errors import FatalError, RecoverableError
 
 
 class CheckpointCorruptError(RecoverableError):
@@ -51,7 +51,7 @@ class LayoutMismatchError(FatalError):
     A configuration error, not a transient one: the replica was started with a
     different mesh or number of ranks than the one whose state it loads, and
     no retry or other peer of that replica size can fix it. ``stored`` and
-    ``live`` are the two ``layout`` records (``ckpt.manifest``; ``{}``: unsharded).
+    ``live`` are the two ``layout`` records (``ft_launch.ckpt.manifest``; ``{}``: unsharded).
     """
 
     def __init__(self, difference: str, *, stored: Any = None, live: Any = None,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ftcore.config import CkptConfig
+from ft_launch.config import CkptConfig
 
 from .dual import Snapshot
 from .errors import FetchError

@@ -35,9 +35,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ftcore.config import CkptConfig
-from ftcore.errors import RecoverableError
-from ftcore.files import atomic_write_text, fsync_directory
+from ft_launch.config import CkptConfig
+from ft_launch.errors import RecoverableError
+from ft_launch.files import atomic_write_text, fsync_directory
 
 from .dual import LeaseProvider, Snapshot, numpy_allocator
 from .errors import CheckpointCorruptError, storage_error

@@ -23,8 +23,8 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from ftcore.config import CkptConfig
-from ftcore.events import EventLog
+from ft_launch.config import CkptConfig
+from ft_launch.events import EventLog
 
 from .backup import BackupSender, BackupStore
 from .dual import Allocator, numpy_allocator

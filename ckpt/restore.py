@@ -17,9 +17,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ftcore.config import CkptConfig
-from ftcore.errors import FtError
-from ftcore.events import Event, EventLog
+from ft_launch.config import CkptConfig
+from ft_launch.errors import FtError
+from ft_launch.events import Event, EventLog
 
 from .dual import DualBuffer
 from .errors import NoCheckpointError

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
-from ftcore.config import CkptConfig
+from ft_launch.config import CkptConfig
 
 from .backup import BackupStore
 from .dual import LeaseProvider, Snapshot

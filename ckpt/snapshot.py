@@ -77,7 +77,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ftcore.config import CkptConfig
+from ft_launch.config import CkptConfig
 
 from .dual import Allocator, DualBuffer, Slot, SlotState, Snapshot, numpy_allocator
 from .errors import SnapshotFailedError

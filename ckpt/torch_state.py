@@ -13,7 +13,7 @@ imports it. The flat layout of a rank's state:
 Sharded models (FSDP2, any DTensor): a rank snapshots, serves and loads only
 its local shards. Each DTensor is recorded as its local tensor (the manifest's
 shapes are local shapes) and ``meta["layout"]`` records its mesh, placements
-and global shape (``ckpt.manifest.build_layout``). ``load_train_state`` refuses
+and global shape (``ft_launch.ckpt.manifest.build_layout``). ``load_train_state`` refuses
 a state whose layout differs from the live objects' (``LayoutMismatchError``)
 before it changes anything, and rebuilds DTensors with the live mesh.
 
@@ -93,7 +93,7 @@ def _shard_info(mesh: Any, placements: tuple[Any, ...], global_shape: tuple[int,
 def layout_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Layout:
     """The ``layout`` a snapshot of these objects records now (optimizer tensors
     only where the optimizer has state). ``layout_of(model)`` is what ranks of
-    replicas compare (``ckpt.manifest.layout_digest``) before one catches up."""
+    replicas compare (``ft_launch.ckpt.manifest.layout_digest``) before one catches up."""
     return build_layout({name: shard_info(t) for name, t in _named_tensors(model, optimizer)
                          if is_sharded(t)})
 

@@ -35,7 +35,7 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ftcore.ids import sign, verify
+from ft_launch.ids import sign, verify
 
 AUTH_HEADER = "X-Ftl-Auth"
 MANIFEST_BYTES_HEADER = "X-Ftl-Manifest-Bytes"

@@ -46,11 +46,11 @@ sys.path.insert(0, str(REPO))
 
 from rich.console import Console
 
-from launcher.events import LossSpiked, NodeFaultDetected
-from launcher.reporting.live import StatusDisplay, status_view
-from launcher.reporting.runlog import controller_log
-from launcher.reporting.status import RunStatus
-from launcher.reporting.timeline import BandState
+from ft_launch.launcher.events import LossSpiked, NodeFaultDetected
+from ft_launch.launcher.reporting.live import StatusDisplay, status_view
+from ft_launch.launcher.reporting.runlog import controller_log
+from ft_launch.launcher.reporting.status import RunStatus
+from ft_launch.launcher.reporting.timeline import BandState
 from tests.cluster import labcluster
 
 STEPS = 1500

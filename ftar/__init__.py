@@ -1,6 +1,6 @@
 """FTAR: the fault-tolerant ring all-reduce across replicas (design.md, "FTAR").
 
-``FtarGroup`` is the plain API on numpy arrays; ``ftar.torch_frontend`` (imported
+``FtarGroup`` is the plain API on numpy arrays; ``ft_launch.ftar.torch_frontend`` (imported
 only by training code: it imports torch) adds torch tensors, CUDA staging and the
 DDP communication hook.
 """

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ftcore.config import FtarConfig
+from ft_launch.config import FtarConfig
 
 from .errors import FailureKind, PeerFailedError
 from .transport import Address, Hello, Listener, Purpose, Verdict, connect

@@ -24,8 +24,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ftcore.config import FtarConfig
-from ftcore.errors import FtError
+from ft_launch.config import FtarConfig
+from ft_launch.errors import FtError
 
 from .connections import RingPosition
 from .dtypes import ElementType, HostKernels

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 
-from ftcore.errors import FatalError, RecoverableError
+from ft_launch.errors import FatalError, RecoverableError
 
 FATAL_HINT = "fatal: retrying cannot help; fix the caller or the configuration"
 

@@ -27,7 +27,7 @@ from typing import Self
 
 import numpy as np
 
-from ftcore.config import FtarConfig
+from ft_launch.config import FtarConfig
 
 from .connections import Connector, RingPosition
 from .dtypes import ElementType, HostKernels, element_type_of

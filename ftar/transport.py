@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ftcore.ids import sign, verify
-from ftcore.logs import log_sampled
+from ft_launch.ids import sign, verify
+from ft_launch.logs import log_sampled
 
 from .errors import AuthenticationError, FtarUsageError, StaleQuorumError
 

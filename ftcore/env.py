@@ -1,6 +1,6 @@
 """The environment variables of ft-launch: one namespace, ``FTL_``.
 
-* ``FTL_<SECTION>_<KEY>``: a config value (``ftcore.config``), ``FTL_CONFIG`` the file;
+* ``FTL_<SECTION>_<KEY>``: a config value (``ft_launch.config``), ``FTL_CONFIG`` the file;
 * ``FTL_WORKER_<NAME>``: what ft-launch tells a process it starts about itself (its
   job, replica, rank, run directory, secret, ...). Set by ft-launch, not config: the
   config loader leaves them alone.

@@ -4,7 +4,7 @@ A message travels as ZeroMQ frames ``[*parts, mac]``, or ``[domain, *parts,
 mac]`` for a *tagged* channel (its first frame names it, so a stray message of
 another protocol is told from a forgery). ``mac`` is HMAC-SHA256 with the
 per-job secret over the channel's domain tag, its context (e.g. the job id)
-and every part, each length-prefixed: exactly ``ftcore.ids.sign(secret,
+and every part, each length-prefixed: exactly ``ft_launch.ids.sign(secret,
 domain, *context, *parts)``. A message is thereby bound to its channel, to its
 job and to every byte of every part; what the parts hold (a binary header, a
 JSON body) is the channel's own business.
@@ -34,7 +34,7 @@ from typing import Generic, TypeVar
 #: ``Envelope.to`` of a message for every receiver (and of a channel without recipients).
 BROADCAST = -1
 MAC_BYTES = 32
-#: The shortest job secret accepted (``ftcore.ids.new_job_secret`` makes 32 bytes).
+#: The shortest job secret accepted (``ft_launch.ids.new_job_secret`` makes 32 bytes).
 MIN_SECRET_BYTES = 16
 #: Senders whose last ``(incarnation, seq)`` a guard remembers; beyond it the least
 #: recently heard is forgotten. Only a secret holder can add senders, so memory is
@@ -94,12 +94,12 @@ class Seal:
         if len(key) < MIN_SECRET_BYTES:
             raise ValueError(f"the job secret of {domain.decode(errors='replace')} messages "
                              f"must be at least {MIN_SECRET_BYTES} bytes, hex encoded "
-                             f"(ftcore.ids.new_job_secret())")
+                             f"(ft_launch.ids.new_job_secret())")
         self.domain = domain
         self.parts = parts
         self.tagged = tagged
         self.max_part_bytes = max_part_bytes
-        # ``ftcore.ids.sign`` with the key schedule and the constant parts hashed once:
+        # ``ft_launch.ids.sign`` with the key schedule and the constant parts hashed once:
         # a quorum leader checks 1,000 joins a round.
         self._prefix = hmac.new(key, digestmod=hashlib.sha256)
         for part in (domain, *context):

@@ -1,7 +1,7 @@
-"""``python -m health run --profile NAME [--json]``: run a health profile on this
+"""``python -m ft_launch.health run --profile NAME [--json]``: run a health profile on this
 node and print the report (stop-time diagnosis runs it with ``srun`` on a
 replica's nodes). Exit 0 when nothing failed, 76 (NODE_UNHEALTHY) otherwise.
-``python -m health profiles`` lists the profiles and their checks."""
+``python -m ft_launch.health profiles`` lists the profiles and their checks."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ftcore.errors import ConfigError, ExitCode
-from ftcore.logs import configure_logging
+from ft_launch.errors import ConfigError, ExitCode
+from ft_launch.logs import configure_logging
 
 from .profile import run_profile
 from .settings import ENV_CONFIG, load_settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m health", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ft_launch.health",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--config", help=f"admin health config (default: ${ENV_CONFIG})")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one profile on this node")

@@ -26,6 +26,7 @@ rounds is the one to evict (``FailSlowVote``).
 
 from __future__ import annotations
 
+import importlib.util
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,9 +37,18 @@ from .stacks import Frame, ProcessStack, ThreadStack
 GROUP_KINDS = ("node", "tp", "pp", "replica", "dp")   # preference on a tie, smallest first
 LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
 #: ft-launch's packages: ours even when installed into site-packages.
-OWN_PACKAGES = ("launcher", "ftar", "ckpt", "health", "ftcore", "slurm_plugins")
-_OWN_ROOT = Path(__file__).resolve().parents[1]
-OWN_PREFIXES = tuple(f"{_OWN_ROOT / package}/" for package in OWN_PACKAGES)
+OWN_PACKAGES = ("ft_launch", "ft_launch.launcher", "ft_launch.ftar", "ft_launch.ckpt",
+                "ft_launch.health", "ft_launch.slurm_plugins")
+
+
+def _folders_of(packages: Iterable[str]) -> tuple[str, ...]:
+    """The folders the packages load from (``find_spec`` does not import them): one
+    ``ft_launch`` folder when installed, each source folder in a checkout."""
+    return tuple(f"{Path(folder).resolve()}/" for name in packages
+                 for folder in importlib.util.find_spec(name).submodule_search_locations)
+
+
+OWN_PREFIXES = _folders_of(OWN_PACKAGES)
 #: A frame in one of these files is a wait for other processes (a collective, the
 #: cross-replica ring, the quorum).
 PEER_WAIT_MARKERS = ("/torch/distributed/", "/ftar/", "/launcher/quorum/", "/mpi4py/")

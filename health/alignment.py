@@ -10,7 +10,7 @@ another digest.
 torch is imported only inside the functions that compute: the judging helpers
 here are torch-free, and ``run_in_subprocess`` keeps the import (seconds) and
 the determinism settings out of the calling process. Run
-``python -m health.alignment --json`` on a known-good node to print the
+``python -m ft_launch.health.alignment --json`` on a known-good node to print the
 reference digests for its platform.
 """
 
@@ -173,7 +173,7 @@ def run_devices(devices: Sequence[str], repeats: int, corrupt: bool) -> list[Ali
 def run_in_subprocess(devices: Sequence[str] = ("cpu",), repeats: int = 2,
                       corrupt: bool = False, timeout: float = 300.0) -> list[AlignmentRun]:
     """Run the test in a fresh interpreter (torch import, determinism settings, timeout)."""
-    argv = [sys.executable, "-m", "health.alignment", "--json", "--repeats", str(repeats),
+    argv = [sys.executable, "-m", "ft_launch.health.alignment", "--json", "--repeats", str(repeats),
             "--device", *devices, *(["--corrupt"] if corrupt else [])]
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
@@ -185,7 +185,7 @@ def run_in_subprocess(devices: Sequence[str] = ("cpu",), repeats: int = 2,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m health.alignment",
+    parser = argparse.ArgumentParser(prog="python -m ft_launch.health.alignment",
                                      description="Bit-wise alignment test: print the digest "
                                                  "of one deterministic MiniGPT training step.")
     parser.add_argument("--device", nargs="+", default=["cpu"],

@@ -4,8 +4,8 @@ JSON line with each link's bandwidth. ``judge_bandwidth`` (pure) names the
 slowest link below the threshold.
 
 Run it under the site's MPI launcher, one rank per node, e.g.
-``srun --mpi=pmi2 -N 8 python -m health.bw_probe --bytes 268435456`` or
-``mpiexec -n 2 python -m health.bw_probe``.
+``srun --mpi=pmi2 -N 8 python -m ft_launch.health.bw_probe --bytes 268435456`` or
+``mpiexec -n 2 python -m ft_launch.health.bw_probe``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def probe(size: int, iterations: int) -> dict[str, Any] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m health.bw_probe",
+    parser = argparse.ArgumentParser(prog="python -m ft_launch.health.bw_probe",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--bytes", type=int, default=64 << 20)
     parser.add_argument("--iterations", type=int, default=5)

@@ -33,7 +33,7 @@ class AlignmentParams:
     devices: tuple[str, ...] = ()            # empty: every GPU (NVML) or the CPU
     repeats: int = 2
     timeout: float = 300.0
-    #: platform key -> digest of a known-good machine (``python -m health.alignment``)
+    #: platform key -> digest of a known-good machine (``python -m ft_launch.health.alignment``)
     references: dict[str, str] = field(default_factory=dict)
 
 

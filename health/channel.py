@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from ftcore.logs import log_sampled
+from ft_launch.logs import log_sampled
 
 from .wire import (
     MAX_FRAME_BYTES,

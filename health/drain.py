@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import re
 
-from ftcore.errors import SlurmCommandError
-from ftcore.slurm.client import SlurmBackend
+from ft_launch.errors import SlurmCommandError
+from ft_launch.slurm.client import SlurmBackend
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
-from ftcore.errors import NodeUnhealthyError
-from ftcore.files import atomic_write_text
+from ft_launch.errors import NodeUnhealthyError
+from ft_launch.files import atomic_write_text
 
 from .slurm_env import node_name_problem, shown
 

@@ -1,10 +1,10 @@
-"""Health events for the JSON-lines event log (past tense, ``ftcore.events``)."""
+"""Health events for the JSON-lines event log (past tense, ``ft_launch.events``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftcore.events import Event
+from ft_launch.events import Event
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ftcore.env import ENV_SECRET
-from ftcore.logs import configure_logging
+from ft_launch.env import ENV_SECRET
+from ft_launch.logs import configure_logging
 
 from .channel import Sender
 from .gpu_facts import GpuBackend
@@ -102,10 +102,10 @@ SECRET_ENV = ENV_SECRET
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m health.inspection --endpoint tcp://HOST:PORT``: one agent per node,
+    """``python -m ft_launch.health.inspection --endpoint tcp://HOST:PORT``: one agent per node,
     until SIGTERM. The job secret comes from the environment, never the command line
     (which every user of the node can read)."""
-    parser = argparse.ArgumentParser(prog="python -m health.inspection",
+    parser = argparse.ArgumentParser(prog="python -m ft_launch.health.inspection",
                                      description="Per-node inspection agent.")
     parser.add_argument("--endpoint", required=True, help="the controller's collector")
     parser.add_argument("--node", default=os.environ.get("SLURMD_NODENAME", ""))

@@ -19,7 +19,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ftcore.errors import UsageError
+from ft_launch.errors import UsageError
 
 
 class ReplayStatus(enum.Enum):

@@ -59,7 +59,7 @@ def node_corrupts(node: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m health.replay_job",
+    parser = argparse.ArgumentParser(prog="python -m ft_launch.health.replay_job",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--expect", required=True, help="the reference digest")
     args = parser.parse_args(argv)

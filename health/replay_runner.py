@@ -6,7 +6,7 @@ phase run side by side (their machines are disjoint).
 Each group's processes get ``FTL_WORKER_REPLAY_GROUP`` (``row2``/``col0``) and
 ``FTL_WORKER_REPLAY_NODES`` (comma-separated) in their environment, and whatever
 the launcher's ``env`` adds for the group. ``run_phases`` leaves judging to the
-caller (``health.replay.judge``: against a reference); ``run_replay`` judges by
+caller (``ft_launch.health.replay.judge``: against a reference); ``run_replay`` judges by
 exit codes alone (a job that exits non-zero on a wrong result).
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ftcore.env import ENV_REPLAY_GROUP, ENV_REPLAY_NODES
-from ftcore.slurm.client import SlurmBackend, cancel_named_step, launch_logged
-from ftcore.slurm.commands import StepSpec
+from ft_launch.env import ENV_REPLAY_GROUP, ENV_REPLAY_NODES
+from ft_launch.slurm.client import SlurmBackend, cancel_named_step, launch_logged
+from ft_launch.slurm.commands import StepSpec
 
 from .replay import ReplayGrid, ReplayVerdict, locate
 

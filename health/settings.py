@@ -1,11 +1,11 @@
 """What the health sections of the one config build: GPU backend, check context,
 profiles.
 
-The sections are ``ftcore.config``'s ``[health]`` (the node, what the hooks do,
+The sections are ``ft_launch.config``'s ``[health]`` (the node, what the hooks do,
 the inspection), ``[checks.NAME]`` (parameters of one catalog check) and
 ``[profiles.NAME]`` (checks = [...], budget = seconds, warn_only = [...]); see
 ``etc/health/health.toml.example``. The node programs (Slurm hooks, gate,
-inspection agent, ``python -m health``) read them from the file given
+inspection agent, ``python -m ft_launch.health``) read them from the file given
 (``--config``), else the one ``$FTL_CONFIG``, else ``/etc/ft-launch/health.toml``
 when it exists, else use the defaults; ``FTL_HEALTH_<KEY>`` variables apply
 on top, as for any section. The named tables are typed here, against the
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftcore.config import (
+from ft_launch.config import (
     ENV_CONFIG,
     Config,
     HealthConfig,
@@ -33,7 +33,7 @@ from ftcore.config import (
     load_config,
     parse_config,
 )
-from ftcore.errors import ConfigError
+from ft_launch.errors import ConfigError
 
 from .catalog import CATALOG, bind, default_params
 from .context import CheckContext, JobFacts

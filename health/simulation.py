@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ftcore.errors import ConfigError
+from ft_launch.errors import ConfigError
 
 from .gpu_facts import RECOVERY_ACTIONS, THROTTLE_BITS, GpuFacts, GpuSnapshot
 

@@ -7,7 +7,7 @@ number, so none is used unchecked:
 * ``SLURMD_NODENAME`` names the report's folder and the node to drain. A value
   that is not a node name (``../x``, ``a/b``, 300 characters) raises
   ``ConfigError``: the caller cannot check, report on, or drain a node it cannot
-  name, and decides what that means for its exit (``slurm_plugins.hook``).
+  name, and decides what that means for its exit (``ft_launch.slurm_plugins.hook``).
 * ``SLURM_JOB_ID``, ``SLURM_JOB_UID``, ``SLURM_JOB_USER`` describe the job, not the
   node. A bad one is dropped (as if Slurm had not set it) with one line saying
   why, and the node is checked all the same: its health does not depend on them.
@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ftcore.errors import ConfigError
+from ft_launch.errors import ConfigError
 
 SOURCE = "the hook's environment"
 

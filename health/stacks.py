@@ -7,11 +7,11 @@ default mode (it fails with "Failed to suspend process"); it is read with
 a timeout; a process that cannot be read at all is kept with its error, which
 the aggregation counts as an outlier.
 
-``python -m health.stacks --pid PID... --out FILE`` captures the given processes
+``python -m ft_launch.health.stacks --pid PID... --out FILE`` captures the given processes
 of this node and writes JSON (atomically; without ``--out``: to stdout); ``--job
 JOB`` instead captures every process of a Slurm job on this node (found by
 ``SLURM_JOB_ID`` and ``SLURM_PROCID`` in its environment). The controller runs it
-with ``srun --overlap`` on each node of a hung replica (``launcher.diagnosis``).
+with ``srun --overlap`` on each node of a hung replica (``ft_launch.launcher.diagnosis``).
 py-spy is looked for beside this Python first (a virtual environment's ``bin``),
 then on ``PATH``.
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftcore.files import atomic_write_text
+from ft_launch.files import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def job_processes(job_id: str, proc_root: Path = Path("/proc")) -> dict[int, int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m health.stacks",
+    parser = argparse.ArgumentParser(prog="python -m ft_launch.health.stacks",
                                      description="Dump Python stacks as JSON with py-spy.")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--pid", type=int, nargs="+")

@@ -1,11 +1,11 @@
 """Signed messages from nodes and ranks to the controller (ZeroMQ frames).
 
 Frames: ``[PROTOCOL, kind, body, mac]``, the shared signed envelope of
-``ftcore.envelope`` (tagged with ``PROTOCOL``); ``body`` is JSON with the
+``ft_launch.envelope`` (tagged with ``PROTOCOL``); ``body`` is JSON with the
 sender, a per-sender sequence number and the send time; ``mac`` is HMAC-SHA256
 over the protocol, kind and body with the job secret. The receiver drops
 anything unsigned, malformed or replayed (sequence not above the last one seen
-from that sender: ``ftcore.envelope.ReplayGuard``); a restarted sender picks a
+from that sender: ``ft_launch.envelope.ReplayGuard``); a restarted sender picks a
 new sender id.
 
 A signed message is still only data: ``decode`` checks every field the
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ftcore.envelope import Envelope, Rejected, Rejection, ReplayGuard, Seal
+from ft_launch.envelope import Envelope, Rejected, Rejection, ReplayGuard, Seal
 
 from .result import CheckStatus
 
@@ -52,7 +52,7 @@ class MessageKind(enum.Enum):
     HEARTBEAT = "heartbeat"    # a rank or agent is alive
 
 
-#: What the collector counts drops by (``ftcore.envelope.Rejection``: a health
+#: What the collector counts drops by (``ft_launch.envelope.Rejection``: a health
 #: message has no recipient and no age limit).
 REASONS = (Rejection.MALFORMED, Rejection.BAD_SIGNATURE, Rejection.INVALID, Rejection.REPLAYED)
 #: A message that must be dropped (bad signature, malformed, invalid, replayed).

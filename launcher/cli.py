@@ -1,6 +1,6 @@
 """``ft-launch``: the command line. Subcommands: ``plan`` (dry run).
 
-Exit codes follow ``ftcore.errors.ExitCode`` (2: bad input; 78: fatal, do not
+Exit codes follow ``ft_launch.errors.ExitCode`` (2: bad input; 78: fatal, do not
 requeue; 75: transient, a requeue may help).
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from ftcore.config import Config, load_config, save_config
-from ftcore.errors import (
+from ft_launch.config import Config, load_config, save_config
+from ft_launch.errors import (
     ConfigError,
     ExitCode,
     FtError,
@@ -27,13 +27,13 @@ from ftcore.errors import (
     TerminalAbort,
     UsageError,
 )
-from ftcore.events import EventLog, RunStarted
-from ftcore.files import atomic_write_text
-from ftcore.ids import new_job_secret
-from ftcore.logs import configure_logging
-from ftcore.slurm.allocation import Allocation, allocation_of_job
-from ftcore.slurm.client import SlurmCli
-from ftcore.slurm.hostlist import compress, expand
+from ft_launch.events import EventLog, RunStarted
+from ft_launch.files import atomic_write_text
+from ft_launch.ids import new_job_secret
+from ft_launch.logs import configure_logging
+from ft_launch.slurm.allocation import Allocation, allocation_of_job
+from ft_launch.slurm.client import SlurmCli
+from ft_launch.slurm.hostlist import compress, expand
 
 from .events import ControllerWitnessChosen
 from .heartbeat import heartbeat_path

@@ -6,12 +6,12 @@ The controller (``lifecycle``) orders it when a replica stops committing
 thread of its own, so the poll loop goes on watching the others:
 
 1. each rank wrote its node and pid into the run directory when it started
-   (``launcher.worker.pids``);
+   (``ft_launch.launcher.worker.pids``);
 2. on each node of the replica, ``srun --overlap --jobid JOB`` runs ``python -m
-   health.stacks --pid ...`` (py-spy) against that node's ranks, all nodes at once,
+   ft_launch.health.stacks --pid ...`` (py-spy) against that node's ranks, all nodes at once,
    the whole bounded by ``recovery.diagnosis_timeout`` (a node that does not answer
    in time: its ranks count as unreadable, hence suspect);
-3. ``health.aggregation.hang_suspects`` groups the stacks and names the outlier
+3. ``ft_launch.health.aggregation.hang_suspects`` groups the stacks and names the outlier
    ranks and the smallest group holding them (their node, or, when nothing stands
    out, the whole replica: over-eviction rather than a guess);
 4. the report goes to ``<run_dir>/diagnosis/hang-R-N/report.txt`` (and ``.json``,
@@ -34,12 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftcore.errors import SlurmCommandError
-from ftcore.events import Event
-from ftcore.files import atomic_write_text
-from ftcore.slurm.client import SlurmBackend, cancel_named_step, launch_logged
-from ftcore.slurm.commands import StepSpec
-from health.aggregation import (
+from ft_launch.errors import SlurmCommandError
+from ft_launch.events import Event
+from ft_launch.files import atomic_write_text
+from ft_launch.health.aggregation import (
     Aggregation,
     EvictionDecision,
     RankPlace,
@@ -47,7 +45,9 @@ from health.aggregation import (
     innermost_own_frame,
     signature,
 )
-from health.stacks import ProcessStack
+from ft_launch.health.stacks import ProcessStack
+from ft_launch.slurm.client import SlurmBackend, cancel_named_step, launch_logged
+from ft_launch.slurm.commands import StepSpec
 
 from .worker.pids import RankProcess, read_rank_pids
 
@@ -207,7 +207,7 @@ def report_text(report: HangReport) -> str:
 
 
 def parse_node_stacks(text: str) -> dict[int, ProcessStack]:
-    """{pid: stack} from ``python -m health.stacks`` output; ValueError if it is not."""
+    """{pid: stack} from ``python -m ft_launch.health.stacks`` output; ValueError if it is not."""
     raw = json.loads(text)
     if not isinstance(raw, list):
         # a parse error like any other: the caller catches ValueError
@@ -313,7 +313,7 @@ class HangDiagnosis:
         capture = _NodeCapture(node, f"ftl-diagnose-{request.replica_id}-{node}",
                                request.out_dir / f"{node}.json")
         per_process = max(1.0, min(10.0, self.timeout / 3))
-        command = (sys.executable, "-m", "health.stacks", "--timeout", f"{per_process:g}",
+        command = (sys.executable, "-m", "ft_launch.health.stacks", "--timeout", f"{per_process:g}",
                    "--out", str(capture.out), "--pid", *map(str, pids))
         spec = StepSpec(nodes=(node,), command=command, tasks_per_node=1,
                         name=capture.step_name, job_id=self.job_id or None, overlap=True,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftcore.events import Event, event_from_json
+from ft_launch.events import Event, event_from_json
 
 
 @dataclass(frozen=True)

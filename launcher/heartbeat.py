@@ -7,7 +7,7 @@ RUNNING until its time limit (measured on the lab cluster). So the controller
 rewrites a small file in the shared run directory every ``interval``; a worker
 that sees it unchanged for ``runtime.controller_timeout`` (by its own clock: no
 clock is compared across nodes) knows the controller is lost and ends the
-allocation cleanly (see ``launcher.worker.manager``).
+allocation cleanly (see ``ft_launch.launcher.worker.manager``).
 
 The run directory is shared by every node already (events, audit, checkpoints);
 a file there needs no listening socket on the controller and works the same
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftcore.files import atomic_write_text
+from ft_launch.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 

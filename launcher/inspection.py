@@ -1,4 +1,4 @@
-"""Real-time inspection during a run: one ``python -m health.inspection`` step per
+"""Real-time inspection during a run: one ``python -m ft_launch.health.inspection`` step per
 node (``srun --overlap`` beside the replica or standby agent, so a hung or crashed
 training process does not silence it), each streaming signed reports of the
 ``inspection`` profile to a collector in the controller. A failed report is an
@@ -13,11 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ftcore.config import HealthConfig
-from ftcore.slurm.client import SlurmBackend, cancel_named_step, launch_logged
-from ftcore.slurm.commands import StepSpec
-from health.channel import Collector
-from health.inspection import node_alarm, report_from
+from ft_launch.config import HealthConfig
+from ft_launch.health.channel import Collector
+from ft_launch.health.inspection import node_alarm, report_from
+from ft_launch.slurm.client import SlurmBackend, cancel_named_step, launch_logged
+from ft_launch.slurm.commands import StepSpec
 
 from .worker.identity import node_address
 
@@ -45,7 +45,7 @@ class NodeInspection:
         """Start the node's inspection step (once per node and job)."""
         if node in self.steps:
             return
-        command = (sys.executable, "-m", "health.inspection", "--endpoint",
+        command = (sys.executable, "-m", "ft_launch.health.inspection", "--endpoint",
                    self.collector.endpoint, "--node", node,
                    "--interval", str(self.config.inspection_interval))
         spec = StepSpec(nodes=(node,), command=command, name=f"inspect-{node}",
@@ -63,14 +63,14 @@ class NodeInspection:
 
     @property
     def rejected_messages(self) -> dict[str, int]:
-        """Health messages dropped so far, by reason (``health.wire.Rejection``)."""
+        """Health messages dropped so far, by reason (``ft_launch.health.wire.Rejection``)."""
         return dict(self.collector.rejections)
 
     def alarms(self) -> list[tuple[str, str]]:
         """(node, reason) for each node whose newest report failed, once per node.
 
         Never raises on what peers send: the collector hands over only verified
-        envelopes whose every field ``health.wire.decode`` checked, and counts
+        envelopes whose every field ``ft_launch.health.wire.decode`` checked, and counts
         the rest in ``rejected_messages``."""
         found: list[tuple[str, str]] = []
         for envelope in self.collector.poll(0):

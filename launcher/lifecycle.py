@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ftcore.config import SlowPolicy
-from ftcore.errors import ExitCode
-from ftcore.events import Event as Record
+from ft_launch.config import SlowPolicy
+from ft_launch.errors import ExitCode
+from ft_launch.events import Event as Record
 
 from . import recovery as rc
 from . import replay_rule as rr
@@ -189,7 +189,7 @@ def _slowed(state: ControllerState, event: ReplicaSlowed, now: Now) -> Decision:
     multi-node replica is slow its rank 0 cannot tell: all of them go)."""
     rid = event.replica_id
     nodes = state.run.replica(rid).nodes
-    # no quotes: a drain reason keeps to what scontrol takes (health.drain)
+    # no quotes: a drain reason keeps to what scontrol takes (ft_launch.health.drain)
     reason = (f"fail-slow: replica {rid} took {event.own_s / event.peers_s:.1f}x as long as "
               f"its peers for its own part of a step ({event.own_s:.3g} s against "
               f"{event.peers_s:.3g} s, medians of {event.steps} steps)")

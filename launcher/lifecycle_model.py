@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ftcore.config import Config, SlowPolicy, StandbyMode
-from ftcore.events import Event as Record
+from ft_launch.config import Config, SlowPolicy, StandbyMode
+from ft_launch.events import Event as Record
 
 from . import recovery as rc
 from . import replay_rule as rr
@@ -183,7 +183,7 @@ class QuorumLostMembers:
 
 @dataclass(frozen=True)
 class HangDiagnosed:
-    """The stacks of a stalled replica's ranks were taken (``launcher.diagnosis``):
+    """The stacks of a stalled replica's ranks were taken (``ft_launch.launcher.diagnosis``):
     ``suspects``, the nodes they name; none when the diagnosis failed (``error``)."""
 
     replica_id: int
@@ -197,7 +197,7 @@ class HangDiagnosed:
 class ReplicaSlowed:
     """Replica ``replica_id``'s own step time (its step minus what it waited for the
     others) stayed ``own_s`` against its peers' ``peers_s``, medians over ``steps``
-    committed steps (``health.anomaly.PeerSlowdownDetector``): fail-slow."""
+    committed steps (``ft_launch.health.anomaly.PeerSlowdownDetector``): fail-slow."""
 
     replica_id: int
     own_s: float
@@ -248,7 +248,7 @@ class DiagnoseHang:
 
 #: What the shell carries out; each says why.
 Order = rc.Action | StartReplica | FinishRun | DiagnoseHang | rr.RunReplay
-#: Records (``ftcore.events.Event``) are in the list too: the shell writes them to its log.
+#: Records (``ft_launch.events.Event``) are in the list too: the shell writes them to its log.
 Action = Order | Record
 
 

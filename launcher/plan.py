@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ftcore.config import BatchHostRole, JobConfig, StandbyMode
-from ftcore.env import ENV_NUM_REPLICAS, ENV_REPLICA_ID
-from ftcore.errors import UsageError
-from ftcore.slurm.commands import StepSpec, srun_argv
+from ft_launch.config import BatchHostRole, JobConfig, StandbyMode
+from ft_launch.env import ENV_NUM_REPLICAS, ENV_REPLICA_ID
+from ft_launch.errors import UsageError
+from ft_launch.slurm.commands import StepSpec, srun_argv
 
 #: Shortcut flags of ``plan``/``run``/``submit`` and the config keys they set.
 JOB_FLAGS = {"replicas": "job.replicas", "nodes_per_replica": "job.nodes_per_replica",
@@ -49,7 +49,7 @@ def replica_step_spec(plan: LaunchPlan, nodes: tuple[str, ...], replica_id: int,
     export = (f"--export=ALL,{ENV_REPLICA_ID}={replica_id},"
               f"{ENV_NUM_REPLICAS}={len(plan.replicas)}")
     # Each task gets its replica's torch world (RANK, MASTER_ADDR, ...) as torchrun would.
-    task = (sys.executable, "-m", "launcher.worker.task", "--")
+    task = (sys.executable, "-m", "ft_launch.launcher.worker.task", "--")
     return StepSpec(nodes=nodes, command=(*task, *(command or plan.command)),
                     tasks_per_node=plan.tasks_per_node,
                     name=f"replica-{replica_id}", job_id=plan.job_id,

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import logging
 
-from ftcore.config import JobConfig, PromotionPath
-from ftcore.errors import ConfigError, SlurmCommandError
-from ftcore.slurm.client import SlurmBackend
+from ft_launch.config import JobConfig, PromotionPath
+from ft_launch.errors import ConfigError, SlurmCommandError
+from ft_launch.slurm.client import SlurmBackend
 
 log = logging.getLogger(__name__)
 GROW_WAIT_S = 5       # salloc --immediate: a free reservation node is granted at once

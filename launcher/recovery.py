@@ -88,7 +88,7 @@ Event = (ReplicaCrashed | NodeFaulted | ReplicaProgressed | ReplicaFinished | Re
 @dataclass(frozen=True)
 class EvictNode:
     node: str
-    reason: str                 # the drain reason (sanitised by health.drain)
+    reason: str                 # the drain reason (sanitised by ft_launch.health.drain)
 
 
 @dataclass(frozen=True)

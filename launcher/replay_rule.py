@@ -53,8 +53,9 @@ class RunReplay:
 
 @dataclass(frozen=True)
 class ReplayLocated:
-    """What a replay found (``sdc_replay``): ``status`` is a ``health.replay.ReplayStatus``
-    value, or ``FAILED`` (then ``summary`` says why)."""
+    """What a replay found (``sdc_replay``): ``status`` is a
+    ``ft_launch.health.replay.ReplayStatus`` value, or ``FAILED`` (then ``summary`` says
+    why)."""
 
     replica_id: int
     status: str
@@ -131,7 +132,7 @@ def on_nonfinite(book: ReplayBook, run: RunState, replica_id: int, watched: bool
             *(n for r in sources for n in run.replica(r).nodes)]
     references = tuple(dict.fromkeys(n for n in pool if n not in run.evicted
                                      and n not in replica.nodes))[:needed]
-    # no quotes: a drain reason keeps to what scontrol takes (health.drain)
+    # no quotes: a drain reason keeps to what scontrol takes (ft_launch.health.drain)
     why = (f"sdc: replica {rid} computed NaN/Inf gradients in {steps} steps, its {size} "
            "nodes mixed: each is named")
     if not sources or len(references) < needed:
@@ -156,7 +157,7 @@ def on_located(book: ReplayBook, event: ReplayLocated) -> ReplayDecision:
         return ReplayDecision(book, rid, f"replica {rid}'s replay answered after it was "
                                          "given up on: nothing to evict")
     nodes = replaying.nodes
-    # the drain reason is cut at 100 characters (health.drain): the verdict comes first
+    # the drain reason is cut at 100 characters (ft_launch.health.drain): the verdict comes first
     if event.status == FOUND and len(event.suspects) == 1:
         (node,) = event.suspects
         rows = ", ".join(map(str, event.failed_rows))

@@ -2,7 +2,7 @@
 one part of the one decision (``lifecycle.decide`` dispatches ``LossSpikeFound``
 here).
 
-The shell feeds every replica's rank-0 commit loss to ``health.anomaly.
+The shell feeds every replica's rank-0 commit loss to ``ft_launch.health.anomaly.
 StepLossSpikes`` (per step the mean over the replicas that trained it, against the
 median of the ``recovery.spike_window`` steps before). A spike is recorded
 (``LossSpiked``); under ``recovery.spike_policy = "rollback"`` every replica is rolled
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftcore.config import Config, SpikePolicy
+from ft_launch.config import Config, SpikePolicy
 
 from . import recovery as rc
 from .events import LossSpiked
@@ -44,7 +44,7 @@ from .run_state import ReplicaState, RunState
 
 @dataclass(frozen=True)
 class LossSpikeFound:
-    """The job's mean loss spiked at ``step`` (``health.anomaly.LossSpike``), in commits
+    """The job's mean loss spiked at ``step`` (``ft_launch.health.anomaly.LossSpike``), in commits
     of history ``history`` (the rollbacks their state had been through)."""
 
     step: int

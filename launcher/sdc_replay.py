@@ -7,19 +7,19 @@ each replay on a thread of its own (``SdcReplay``), bounded by
 ``recovery.replay_timeout``, so its poll loop goes on watching the others:
 
 1. capture: the newest step S of a training replica, every rank's shard fetched
-   from its state server as a catch-up would (``ckpt.fetch``; the servers are in
+   from its state server as a catch-up would (``ft_launch.ckpt.fetch``; the servers are in
    ``replay/servers/``), rank 0's newest step, then the same step of the other
    ranks, into ``replay/<id>/state/``: pinned, since that replica trains on;
 2. the grid: the replica's N nodes are column 0, N x (N - 1) healthy reference
-   nodes the other columns (``health.replay.plan_replay_grid``, PP = DP = N): each
+   nodes the other columns (``ft_launch.health.replay.plan_replay_grid``, PP = DP = N): each
    row and each column is N nodes, the replica's world layout;
 3. phase 1 runs every row, phase 2 every column, each group one Slurm step
    (``srun --overlap``: reference nodes may be training) of the replica's own
-   training command in replay mode (``launcher.worker.replay``): step S + 1,
+   training command in replay mode (``ft_launch.launcher.worker.replay``): step S + 1,
    digested; the groups of a phase run side by side;
 4. judge: a group fails when it did not finish, counted NaN/Inf, or its digests
    differ from the reference columns' (healthy nodes only, which must agree); the
-   failing row x failing column is the node (``health.replay.judge``);
+   failing row x failing column is the node (``ft_launch.health.replay.judge``);
 5. the report goes to ``replay/<id>/report.json`` and ``report.txt``, its summary
    into the controller's event log (``SdcReplayReported``) and ``ft-launch
    status``; the outcome comes back to the decision as ``ReplayLocated``.
@@ -40,14 +40,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import FetchError
-from ckpt.fetch import Peer, fetch_state
-from ftcore.env import ENV_NUM_REPLICAS, ENV_REPLAY, ENV_REPLICA_ID
-from ftcore.errors import FtError
-from ftcore.files import atomic_write_text
-from ftcore.slurm.client import SlurmBackend
-from health.replay import GroupResult, Judgement, ReplayGrid, judge, plan_replay_grid
-from health.replay_runner import GroupOutcome, SrunGroupLauncher, run_phases
+from ft_launch.ckpt.errors import FetchError
+from ft_launch.ckpt.fetch import Peer, fetch_state
+from ft_launch.env import ENV_NUM_REPLICAS, ENV_REPLAY, ENV_REPLICA_ID
+from ft_launch.errors import FtError
+from ft_launch.files import atomic_write_text
+from ft_launch.health.replay import GroupResult, Judgement, ReplayGrid, judge, plan_replay_grid
+from ft_launch.health.replay_runner import GroupOutcome, SrunGroupLauncher, run_phases
+from ft_launch.slurm.client import SlurmBackend
 
 from .events import SdcReplayReported
 from .replay_rule import FAILED, ReplayLocated, RunReplay
@@ -240,7 +240,8 @@ class SdcReplay:
         path = write_spec(spec_file(setup.run_dir, self.replay_id), spec)
         grid = plan_replay_grid((*order.suspects, *order.references), pp=size, dp=size)
         launcher = self._launcher = SrunGroupLauncher(
-            setup.slurm, (sys.executable, "-m", "launcher.worker.task", "--", *order.command),
+            setup.slurm,
+            (sys.executable, "-m", "ft_launch.launcher.worker.task", "--", *order.command),
             job_id=setup.job_id or None, tasks_per_node=setup.tasks_per_node,
             timeout=max(1.0, (deadline - time.monotonic()) / 2),
             extra_args=("--export=ALL", *setup.srun_extra_args),

@@ -1,10 +1,10 @@
 """The warm standby agent: one job step per standby node.
 
-    python -m launcher.standby --run-dir DIR --node NODE -- python train.py ...
+    python -m ft_launch.launcher.standby --run-dir DIR --node NODE -- python train.py ...
 
 The controller starts it behind the step-level health gate (``python -m
-slurm_plugins.gate -- python -m launcher.standby ...``), so it runs only on a node
-that passed the gate's checks. It imports what the training
+ft_launch.slurm_plugins.gate -- python -m ft_launch.launcher.standby ...``), so it runs
+only on a node that passed the gate's checks. It imports what the training
 script needs (torch: seconds saved at promotion), writes ``standby/NODE.ready``
 and then waits, cheaply, for ``standby/NODE.activate`` (written atomically by
 the controller, naming the replica to become). On activation it runs the gate's
@@ -27,12 +27,12 @@ import sys
 import time
 from pathlib import Path
 
-from ftcore.errors import ExitCode, FtError
-from ftcore.files import atomic_write_text
-from ftcore.logs import configure_logging
-from launcher.worker.identity import ENV_REPLICA_ID, task_world_env
+from ft_launch.errors import ExitCode, FtError
+from ft_launch.files import atomic_write_text
+from ft_launch.launcher.worker.identity import ENV_REPLICA_ID, task_world_env
+from ft_launch.logs import configure_logging
 
-log = logging.getLogger("launcher.standby")
+log = logging.getLogger("ft_launch.launcher.standby")
 POLL_INTERVAL = 0.02
 
 
@@ -64,7 +64,7 @@ def activate(run_dir: Path, node: str, env: dict[str, str],
 
 def recheck(node: str) -> str | None:
     """The gate's checks again, at promotion: None when healthy, else the reason."""
-    from slurm_plugins.gate import gate, parse_args
+    from ft_launch.slurm_plugins.gate import gate, parse_args
 
     try:
         code, report = gate(parse_args([]), os.environ)
@@ -85,7 +85,7 @@ def is_python(command: list[str]) -> bool:
 #: DTensor, and its first call dynamo: seconds of a promotion otherwise), and the
 #: worker runtime
 WARM_MODULES = ("torch", "torch.distributed", "torch.distributed.fsdp",
-                "torch.distributed.tensor", "torch._dynamo", "launcher.worker.torch_api")
+                "torch.distributed.tensor", "torch._dynamo", "ft_launch.launcher.worker.torch_api")
 
 
 def script_imports(script: Path) -> list[str]:
@@ -120,7 +120,8 @@ def warm_up(command: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launcher.standby", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m ft_launch.launcher.standby",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--node", required=True)

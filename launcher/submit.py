@@ -7,7 +7,7 @@ the run ends. No node of the allocation runs anything but training or standby,
 so losing any one of them is an ordinary replica or standby fault. (Under
 ``sbatch`` the batch host runs the controller and every ``srun`` client; when it
 dies the workers save the newest state and requeue the job instead: see
-``launcher.worker.controller_loss``.)
+``ft_launch.launcher.worker.controller_loss``.)
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ftcore.config import Config, StandbyMode
-from ftcore.errors import SlurmCommandError, UsageError
-from ftcore.slurm.client import SlurmCli
+from ft_launch.config import Config, StandbyMode
+from ft_launch.errors import SlurmCommandError, UsageError
+from ft_launch.slurm.client import SlurmCli
 
 from .plan import JOB_FLAGS, plan_allocation
 
@@ -46,7 +46,7 @@ def salloc_extra(args: argparse.Namespace) -> tuple[str, ...]:
 def controller_argv(args: argparse.Namespace, job_id: str, command: Sequence[str]) -> list[str]:
     """The detached controller's command line: this invocation's config sources and job
     flags, as ``run --jobid JOB --release-allocation``."""
-    argv = [sys.executable, "-m", "launcher.cli", "--log-level", args.log_level]
+    argv = [sys.executable, "-m", "ft_launch.launcher.cli", "--log-level", args.log_level]
     if args.config:
         argv += ["--config", str(Path(args.config).resolve())]
     for override in args.overrides:

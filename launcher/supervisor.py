@@ -9,12 +9,12 @@ Watching (each observation is one ``lifecycle`` event):
 * progress comes from the replicas' own event files (``events/``);
 * Slurm's node states, inspection alarms, update requests, and time (``Tick``);
 * the hang diagnoses it runs in the background (``HangDiagnosed``: see
-  ``launcher.diagnosis``), so a stalled replica's stacks never hold up the loop;
+  ``ft_launch.launcher.diagnosis``), so a stalled replica's stacks never hold up the loop;
 * the dual-phase replays it runs in the background too (``ReplayLocated``: see
-  ``launcher.sdc_replay``).
+  ``ft_launch.launcher.sdc_replay``).
 
 Every action is logged with its reason (``ActionTaken``); every drain reason goes
-through ``health.drain``'s one sanitiser.
+through ``ft_launch.health.drain``'s one sanitiser.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftcore.config import Config, PromotionPath, SlowPolicy, SpikePolicy, StandbyMode
-from ftcore.env import ENV_ROLLBACKS
-from ftcore.errors import ExitCode, SlurmCommandError
-from ftcore.events import Event, EventLog, NodeDrained
-from ftcore.slurm.client import SlurmBackend, cancel_named_step, launch_logged
-from ftcore.slurm.commands import StepSpec
-from ftcore.slurm.states import Disposition, node_disposition
-from health.anomaly import PeerSlowdownDetector, StepLossSpikes
-from health.drain import drain_node, drain_reason
-from health.drain_request import job_comment, write_request
+from ft_launch.config import Config, PromotionPath, SlowPolicy, SpikePolicy, StandbyMode
+from ft_launch.env import ENV_ROLLBACKS
+from ft_launch.errors import ExitCode, SlurmCommandError
+from ft_launch.events import Event, EventLog, NodeDrained
+from ft_launch.health.anomaly import PeerSlowdownDetector, StepLossSpikes
+from ft_launch.health.drain import drain_node, drain_reason
+from ft_launch.health.drain_request import job_comment, write_request
+from ft_launch.slurm.client import SlurmBackend, cancel_named_step, launch_logged
+from ft_launch.slurm.commands import StepSpec
+from ft_launch.slurm.states import Disposition, node_disposition
 
 from . import lifecycle as lc
 from . import recovery as rc
@@ -146,7 +146,7 @@ class Supervisor:
         if how != "initial":
             # Stop-time diagnosis before a retry in place (or on a node new to the job):
             # the gate's health checks; a failure exits 76 and the node is evicted.
-            command = (sys.executable, "-m", "slurm_plugins.gate", "--", *command)
+            command = (sys.executable, "-m", "ft_launch.slurm_plugins.gate", "--", *command)
         spec = replica_step_spec(self.plan, nodes, replica_id,
                                  self.config.slurm.srun_extra_args, command=command,
                                  overlap=bool(set(nodes) & self._expanded))
@@ -159,15 +159,15 @@ class Supervisor:
         launch = self._launches[replica_id] = self._launches.get(replica_id, -1) + 1
         clear_rank_pids(self.run_dir, replica_id)   # a diagnosis finds only the new ones
         return {**self.worker_env, ENV_REPLICA_ID: str(replica_id),
-                # the states a (re)launched replica may restore (launcher.rollback)
+                # the states a (re)launched replica may restore (ft_launch.launcher.rollback)
                 ENV_ROLLBACKS: Rollbacks(self.state.rolled_back).to_env(),
                 **replica_world_env(self.plan.job_id or "", replica_id, launch, nodes,
                                     self.plan.tasks_per_node)}
 
     def launch_standby(self, node: str) -> None:
-        command = (sys.executable, "-m", "slurm_plugins.gate", "--",
-                   sys.executable, "-m", "launcher.standby", "--run-dir", str(self.run_dir),
-                   "--node", node, "--", *self.plan.command)
+        command = (sys.executable, "-m", "ft_launch.slurm_plugins.gate", "--",
+                   sys.executable, "-m", "ft_launch.launcher.standby",
+                   "--run-dir", str(self.run_dir), "--node", node, "--", *self.plan.command)
         job_id = (self.pool.job_of(node) if self.pool else None) or self.plan.job_id
         spec = StepSpec(nodes=(node,), command=command, tasks_per_node=self.plan.tasks_per_node,
                         name=f"standby-{node}", job_id=job_id,
@@ -437,7 +437,7 @@ class Supervisor:
                                      reason=action.reason))
 
     def _drain(self, node: str, reason: str) -> None:
-        """Drain through ``health.drain`` (its one sanitised ``ft: <reason>`` format); an
+        """Drain through ``ft_launch.health.drain`` (its one sanitised ``ft: <reason>`` format); an
         evicted node is drained even when an earlier drain left another reason."""
         try:
             drain_node(self.slurm, node, reason, keep_existing=False)

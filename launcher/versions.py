@@ -52,9 +52,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ftcore.errors import ConfigError, UsageError
-from ftcore.events import Event
-from ftcore.files import atomic_write_bytes, fsync_directory
+from ft_launch.errors import ConfigError, UsageError
+from ft_launch.events import Event
+from ft_launch.files import atomic_write_bytes, fsync_directory
 
 from .run_state import (
     RETIRED,

@@ -7,7 +7,7 @@ batch script's ``ExitCode`` and the steps' ``DerivedExitCode`` are final by
 then. When slurmctld cannot say, the deeper profile runs: a slower epilog is
 cheaper than a sick node taking the next job. A node the job's ft-launch
 controller evicted without the rights to drain it is drained here
-(``health.drain_request``); so is a node whose job named a drain request the
+(``ft_launch.health.drain_request``); so is a node whose job named a drain request the
 Epilog cannot trust (a link, a FIFO, another user's file...), and the post-job
 checks run in either case.
 """
@@ -18,13 +18,13 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from ftcore.errors import SlurmCommandError
-from ftcore.slurm.client import SlurmCli
-from ftcore.slurm.commands import show_job_argv
-from ftcore.slurm.parse import parse_records
-from health.drain import drain_node
-from health.drain_request import InvalidDrainRequest, requested_reason
-from health.settings import HealthSettings
+from ft_launch.errors import SlurmCommandError
+from ft_launch.health.drain import drain_node
+from ft_launch.health.drain_request import InvalidDrainRequest, requested_reason
+from ft_launch.health.settings import HealthSettings
+from ft_launch.slurm.client import SlurmCli
+from ft_launch.slurm.commands import show_job_argv
+from ft_launch.slurm.parse import parse_records
 
 from .hook import HookEnv, run_hook
 
@@ -64,7 +64,7 @@ def honour_drain_request(record: Mapping[str, str], env: HookEnv, slurm: SlurmCl
     """Drain this node if the job's ft-launch controller evicted it but could not drain
     it (no operator rights), or if the job named a request that cannot be trusted:
     fail closed, since a root hook cannot tell a hostile request from a broken one.
-    See ``health.drain_request``. Never raises: the post-job checks follow."""
+    See ``ft_launch.health.drain_request``. Never raises: the post-job checks follow."""
     try:
         reason = requested_reason(record, env.job_id or "", env.node, env.job_uid)
     except InvalidDrainRequest as exc:

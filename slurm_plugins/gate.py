@@ -1,6 +1,6 @@
 """The step-level gate: the first thing a promoted replica's step runs.
 
-``python -m slurm_plugins.gate [--profile gate] [--report FILE] [--drain] -- CMD...``
+``python -m ft_launch.slurm_plugins.gate [--profile gate] [--report FILE] [--drain] -- CMD...``
 
 A Prolog that fails requeues the whole job; this gate fails only its own step.
 It runs the ``gate`` profile on the node it lands on and then
@@ -21,12 +21,12 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from ftcore.errors import ConfigError, ExitCode, SlurmCommandError
-from ftcore.files import atomic_write_text
-from ftcore.logs import configure_logging
-from health.drain import drain_node
-from health.profile import ProfileReport, run_profile
-from health.settings import ENV_CONFIG, load_settings
+from ft_launch.errors import ConfigError, ExitCode, SlurmCommandError
+from ft_launch.files import atomic_write_text
+from ft_launch.health.drain import drain_node
+from ft_launch.health.profile import ProfileReport, run_profile
+from ft_launch.health.settings import ENV_CONFIG, load_settings
+from ft_launch.logs import configure_logging
 
 from .hook import HookEnv, slurm_client
 
@@ -36,7 +36,7 @@ GATE_FAILED_PREFIX = "ft-gate:"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m slurm_plugins.gate",
+    parser = argparse.ArgumentParser(prog="python -m ft_launch.slurm_plugins.gate",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="gate")
     parser.add_argument("--config", help=f"admin health config (default: ${ENV_CONFIG})")

@@ -3,7 +3,7 @@ load the admin config, run a profile, record the report, drain on failure.
 
 Documented variables read (and nothing else from the job): ``SLURMD_NODENAME``
 (all hooks), ``SLURM_JOB_ID``, ``SLURM_JOB_UID``, ``SLURM_JOB_USER`` (Prolog,
-Epilog), each validated by ``health.slurm_env``. Job-controlled strings never
+Epilog), each validated by ``ft_launch.health.slurm_env``. Job-controlled strings never
 reach a shell: Slurm commands are argv lists.
 
 Failure policy: a failing check drains the node (``ft: <reason>``) and the hook
@@ -18,7 +18,7 @@ all the same: its health does not depend on who ran the job.
 
 Run as root, a hook reads its config only from a file root owns and no one else
 may write (``--config``, ``$FTL_CONFIG`` or ``/etc/ft-launch/health.toml``) and
-takes no ``FTL_<SECTION>_<KEY>`` values (``health.settings``): no path or value
+takes no ``FTL_<SECTION>_<KEY>`` values (``ft_launch.health.settings``): no path or value
 a user chose reaches a root process. It logs the variables it ignored.
 """
 
@@ -33,17 +33,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftcore.config import ENV_CONFIG, ENV_PREFIX
-from ftcore.errors import ConfigError, ExitCode, SlurmCommandError
-from ftcore.files import atomic_write_text
-from ftcore.logs import configure_logging
-from ftcore.slurm.client import SlurmCli
-from health.context import JobFacts
-from health.drain import drain_node
-from health.profile import ProfileReport, run_profile
-from health.settings import DEFAULT_PATH as DEFAULT_CONFIG
-from health.settings import HealthSettings, load_settings
-from health.slurm_env import read_slurm_env
+from ft_launch.config import ENV_CONFIG, ENV_PREFIX
+from ft_launch.errors import ConfigError, ExitCode, SlurmCommandError
+from ft_launch.files import atomic_write_text
+from ft_launch.health.context import JobFacts
+from ft_launch.health.drain import drain_node
+from ft_launch.health.profile import ProfileReport, run_profile
+from ft_launch.health.settings import DEFAULT_PATH as DEFAULT_CONFIG
+from ft_launch.health.settings import HealthSettings, load_settings
+from ft_launch.health.slurm_env import read_slurm_env
+from ft_launch.logs import configure_logging
+from ft_launch.slurm.client import SlurmCli
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ class HookEnv:
 
     @staticmethod
     def from_environ(env: Mapping[str, str]) -> HookEnv:
-        """Raises ``ConfigError`` when the node cannot be named (see ``health.slurm_env``)."""
+        """Raises ``ConfigError`` when the node cannot be named (see
+        ``ft_launch.health.slurm_env``)."""
         inputs = read_slurm_env(env, socket.gethostname())
         return HookEnv(node=inputs.node, job_id=inputs.job_id, job_uid=inputs.job_uid,
                        job_user=inputs.job_user, rejected=inputs.rejected)

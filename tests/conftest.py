@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.errors import SlurmCommandError
-from ftcore.slurm.client import SlurmCli
+from ft_launch.errors import SlurmCommandError
+from ft_launch.slurm.client import SlurmCli
 from tests.cluster import labcluster
 from tests.waiting import wait_until
 

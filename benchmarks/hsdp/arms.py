@@ -171,8 +171,8 @@ def _wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) ->
 
 def run_ftl(rid: RunId, s: RunSettings, run_dir: Path, overlap: bool,
             reduce_dtype: str | None = None) -> RunResult:
-    from launcher.worker.events import WorkerStopped
-    from launcher.worker.local import LocalJob
+    from ft_launch.launcher.worker.events import WorkerStopped
+    from ft_launch.launcher.worker.local import LocalJob
 
     job = LocalJob(run_dir, replicas=s.replicas, ranks=s.ranks,
                    command=ftl_command(s, sys.executable, TRAIN, reduce_dtype or s.reduce_dtype),

@@ -6,7 +6,7 @@
 * ``loader``: defaults -> TOML file -> ``FTL_*`` environment -> ``--set``, and
   the saver that writes the resolved config back as TOML.
 
-Everything is importable from here (``from ftcore.config import Config``).
+Everything is importable from here (``from ft_launch.config import Config``).
 """
 
 from .fields import MAX_SECONDS, MAX_STRING_CHARS, Bounds, GiB, MiB, field_bounds, string_problem

@@ -3,7 +3,7 @@ Slurm hooks do, the inspection during a run), and the named tables
 ``[checks.NAME]`` and ``[profiles.NAME]``.
 
 The Slurm hooks (Prolog, Epilog, HealthCheckProgram) run as root outside any
-job: they read these sections from the admin's file (``health.settings``), the
+job: they read these sections from the admin's file (``ft_launch.health.settings``), the
 inspection agent and ``ft-launch`` from theirs. The check catalog lives in
 ``health``, above this kernel, so the named tables are kept here as plain
 values (``Tables``) and typed there.

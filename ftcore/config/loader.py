@@ -190,7 +190,7 @@ def apply_table(current: Any, section_name: str, values: Mapping[str, Any],
                 source: str, from_text: bool = False) -> Any:
     """``current`` (a frozen dataclass) with ``values`` from ``source`` applied: unknown
     keys, wrong types and what its ``problems()`` finds are ``ConfigError``s naming
-    ``source`` and ``section_name.key``. Sections use it, and so does ``health.settings``
+    ``source`` and ``section_name.key``. Sections use it, and so does ``ft_launch.health.settings``
     for the named tables it types (``[checks.disk]``)."""
     hints = typing.get_type_hints(type(current))
     valid = [f.name for f in fields(current)]

@@ -1,7 +1,7 @@
 """The sections of the job's run: one per stage of the data flow, and the whole tree.
 
 The node health sections (``[health]``, ``[checks.NAME]``, ``[profiles.NAME]``)
-are in ``ftcore.config.health``."""
+are in ``ft_launch.config.health``."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class QuorumConfig(_Section):
     witnesses: int = _count(0, 0, 64)
     #: While nothing changes, the members of the last quorum go on with it from step
     #: to step without a round: the leader's heartbeats grant it a few steps ahead
-    #: (``launcher.quorum.standing``). Off: every step runs a round (joins, answers).
+    #: (``ft_launch.launcher.quorum.standing``). Off: every step runs a round (joins, answers).
     standing: bool = True
 
     def rules(self) -> Iterable[tuple[str, str]]:
@@ -229,7 +229,7 @@ class RecoveryConfig(_Section):
     #: median of the spike_window steps before (none judged before spike_window steps).
     #: A mean above spike_factor x that median (x5: design.md's threshold) spiked. The
     #: default rolls every replica back to its newest state from before the spiking
-    #: step (launcher.rollback): the all-reduce put the spike into every replica's
+    #: step (ft_launch.launcher.rollback): the all-reduce put the spike into every replica's
     #: weights, and a human would find it too late; a false alarm costs the steps
     #: since that state, at most max_rollbacks times a run (then reported only), and a
     #: spike that comes back within spike_window steps of one rolled back is reported.
@@ -261,7 +261,7 @@ class RunConfig(_Section):
 @dataclass(frozen=True)
 class Config:
     """The whole configuration; one section per stage of the data flow, and the
-    node health sections the Slurm hooks read too (``ftcore.config.health``)."""
+    node health sections the Slurm hooks read too (``ft_launch.config.health``)."""
 
     job: JobConfig = field(default_factory=JobConfig)
     quorum: QuorumConfig = field(default_factory=QuorumConfig)
@@ -272,7 +272,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    #: ``[checks.NAME]``: parameters of one health check (``health.catalog``).
+    #: ``[checks.NAME]``: parameters of one health check (``ft_launch.health.catalog``).
     checks: Tables = field(default_factory=Tables)
     #: ``[profiles.NAME]``: checks = [...], budget = seconds, warn_only = [...].
     profiles: Tables = field(default_factory=Tables)
@@ -282,7 +282,7 @@ class Config:
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)  # type: ignore[misc]
                              if f.default_factory is not Tables}
 #: The sections of named tables (``[checks.disk]``), whose keys the loader cannot
-#: know: it checks that each holds plain config values; ``health.settings`` checks
+#: know: it checks that each holds plain config values; ``ft_launch.health.settings`` checks
 #: the names and keys against the check catalog, naming the file each came from.
 TABLE_SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(Config)
                                         if f.default_factory is Tables)

@@ -16,9 +16,9 @@ from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Self
 
-from ftcore.config import QuorumConfig
-from ftcore.errors import ConfigError
-from ftcore.events import Event, EventLog
+from ft_launch.config import QuorumConfig
+from ft_launch.errors import ConfigError
+from ft_launch.events import Event, EventLog
 
 from .directory import PeerDirectory, StaticDirectory
 from .errors import QuorumStoppedError, QuorumTimeoutError
@@ -120,7 +120,7 @@ class QuorumAgent:
     ``replica_ids`` is the job's configured replica set (from the launcher);
     ``directory`` is where agents publish and find addresses (a mapping of
     ``replica_id -> address`` is taken as a static directory); ``secret`` is the
-    per-job secret (``ftcore.ids.new_job_secret()``) that authenticates every
+    per-job secret (``ft_launch.ids.new_job_secret()``) that authenticates every
     message. ``incarnation`` must grow when a replica is replaced (default: the
     wall clock in ns at construction). ``electable=False`` makes a member that
     votes and joins but never stands for leader. ``witnesses``: the voter ids of

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ftcore.files import atomic_write_text
-from ftcore.ids import sign, verify
+from ft_launch.files import atomic_write_text
+from ft_launch.ids import sign, verify
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftcore.errors import FatalError, RecoverableError
+from ft_launch.errors import FatalError, RecoverableError
 
 
 class QuorumTimeoutError(RecoverableError):

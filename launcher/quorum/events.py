@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftcore.events import Event
+from ft_launch.events import Event
 
 from .model import Quorum
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 import zmq
 
-from ftcore.logs import log_sampled
+from ft_launch.logs import log_sampled
 
 from .feed import FeedReader
 from .wire import Codec

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypeVar
 
-from ftcore.config import QuorumConfig
+from ft_launch.config import QuorumConfig
 
 T = TypeVar("T")
 

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ftcore.envelope import MAC_BYTES
-from ftcore.errors import FatalError
-from ftcore.events import Event
-from ftcore.logs import log_sampled
+from ft_launch.envelope import MAC_BYTES
+from ft_launch.errors import FatalError
+from ft_launch.events import Event
+from ft_launch.logs import log_sampled
 
 from . import events as ev
 from . import witness

@@ -6,7 +6,7 @@ A message travels as two ZeroMQ frames, ``[data, mac]``:
   incarnation, nonce, wall-clock send time, term, flags, sender address, the
   sender's feed address) followed by the message's binary body (``payload``);
 * ``mac`` = HMAC-SHA256 with the per-job secret over a domain tag, the job id
-  and ``data`` (``ftcore.envelope.Seal``), so a message is bound to this job and
+  and ``data`` (``ft_launch.envelope.Seal``), so a message is bound to this job and
   to every header field.
 
 A leader also publishes its broadcasts once on its *feed* (a PUB socket; the
@@ -21,7 +21,7 @@ Receivers drop what fails the MAC, what is addressed to someone else, what is
 older than ``max_age`` (``QuorumConfig.max_message_age``: a replay to a
 receiver that never saw the original), and anything not newer than the highest
 ``(incarnation, nonce)`` already seen from that sender (a replay, or a zombie of
-a replaced replica): ``ftcore.envelope.ReplayGuard``, shared with the health
+a replaced replica): ``ft_launch.envelope.ReplayGuard``, shared with the health
 channel. What is quorum-specific is the header and the payload.
 """
 
@@ -31,8 +31,8 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ftcore.envelope import BROADCAST, Rejected, Rejection, ReplayGuard, Seal
-from ftcore.envelope import Envelope as SignedEnvelope
+from ft_launch.envelope import BROADCAST, Rejected, Rejection, ReplayGuard, Seal
+from ft_launch.envelope import Envelope as SignedEnvelope
 
 from .model import Message
 from .payload import Kind, decode_payload, encode_payload
@@ -54,7 +54,7 @@ _KINDS = {kind.value: kind for kind in Kind}
 #: and one decode of a 1,000-member announcement per process, not per agent.
 _CACHE_SIZE = 32
 #: The longest address a member may announce. A replica advertises its ranks'
-#: endpoints there (``launcher.worker.protocol``, ~48 bytes a rank with IPv4
+#: endpoints there (``ft_launch.launcher.worker.protocol``, ~48 bytes a rank with IPv4
 #: addresses), so this allows ~1,300 ranks per replica; ``QuorumNode.request``
 #: refuses a longer one with a clear error.
 MAX_ADDRESS_BYTES = 64 * 1024

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import zmq
 
-from ftcore.config import QuorumConfig
-from ftcore.errors import ConfigError, UsageError
-from ftcore.files import atomic_write_text
+from ft_launch.config import QuorumConfig
+from ft_launch.errors import ConfigError, UsageError
+from ft_launch.files import atomic_write_text
 
 from .agent import QuorumAgent
 from .directory import FileDirectory

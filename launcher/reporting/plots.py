@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from ftcore.errors import UsageError
+from ft_launch.errors import UsageError
 
 from .timeline import (
     MARK_COLOURS,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ftcore.events import Event
-from launcher.worker.events import StepCommitted
+from ft_launch.events import Event
+from ft_launch.launcher.worker.events import StepCommitted
 
 from .. import versions  # noqa: F401  (registers the code-version events the controller logs)
 from ..events import EventTail

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ftcore.events import Event, NodeDrained, RunStarted
-from ftcore.slurm.hostlist import compress
-from launcher.worker.events import StepCommitted
+from ft_launch.events import Event, NodeDrained, RunStarted
+from ft_launch.launcher.worker.events import StepCommitted
+from ft_launch.slurm.hostlist import compress
 
 from ..diagnosis import HangDiagnosisReported
 from ..events import (

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ftcore.events import NodeDrained
+from ft_launch.events import NodeDrained
 
 from .. import events as controller_events
 from .runlog import commits, controller_log

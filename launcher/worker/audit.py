@@ -8,7 +8,7 @@ been through). Replicas that committed the same step in one history must agree;
 together the lines must show every replica's stream consumed gaplessly from 0,
 without overlap.
 
-A rollback (``launcher.rollback``) is in the audit too: the first process of each
+A rollback (``ft_launch.launcher.rollback``) is in the audit too: the first process of each
 replica in history ``n`` appends ``{"rollback": n, "before_step": K,
 "restored_step": S}``, the spiking step and the state it restarted from. The history
 that follows supersedes the steps it trained again: if history ``n`` commits its
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftcore.errors import FatalError
+from ft_launch.errors import FatalError
 
 
 class AuditError(FatalError):

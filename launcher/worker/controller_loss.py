@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ftcore.errors import SlurmCommandError
-from ftcore.slurm.client import SlurmBackend
-from ftcore.slurm.states import JobState
+from ft_launch.errors import SlurmCommandError
+from ft_launch.slurm.client import SlurmBackend
+from ft_launch.slurm.states import JobState
 
 log = logging.getLogger(__name__)
 

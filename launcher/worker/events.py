@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ftcore.events import Event
-from launcher.quorum import events as quorum_events  # noqa: F401  same log: register them too
+from ft_launch.events import Event
+from ft_launch.launcher.quorum import events as quorum_events  # noqa: F401  same log: register them too
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class WorkerStopped(Event):
 @dataclass(frozen=True)
 class StateRestored(Event):
     """At start: every rank of the replica restored ``step`` (the newest they all hold
-    soundly) from ``tier`` (ckpt.restore.TierKind: a backup peer's copy, a disk tier);
+    soundly) from ``tier`` (ft_launch.ckpt.restore.TierKind: a backup peer's copy, a disk tier);
     ``skipped``: copies passed over, and why."""
 
     replica_id: int

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ftcore.errors import RecoverableError
+from ft_launch.errors import RecoverableError
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ last ``@NODE`` limits it to the workers on that node: ``nan@gradients:30+@n3``
 corrupts whatever trains on n3 from step 30 on, and stops once n3 is replaced.
 
 A node's own silent data corruption comes from the simulated GPU backend instead
-(``health.simulation``: ``{"sdc": true}`` in the node's fault file, switched on and
+(``ft_launch.health.simulation``: ``{"sdc": true}`` in the node's fault file, switched on and
 off while the run goes on): ``node_sdc_probe`` says whether it is on, and
 ``torch_hooks.corrupt_gradients_while`` flips a bit of the gradient backward starts
 from on that node, in training and in a replay alike (the node is bad, not the step).
@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftcore.config import HealthConfig
-from ftcore.env import ENV_INJECT
-from ftcore.errors import ConfigError, UsageError
+from ft_launch.config import HealthConfig
+from ft_launch.env import ENV_INJECT
+from ft_launch.errors import ConfigError, UsageError
 
 log = logging.getLogger(__name__)
 #: what ``spike@loss`` multiplies a step's loss and gradients by: far above any
@@ -176,7 +176,7 @@ def node_sdc_probe(health: HealthConfig, node: str) -> Callable[[], bool] | None
     small file, or of none, per step). None elsewhere: real GPUs are not simulated."""
     if health.backend != "simulated" or not health.sim_fault_dir:
         return None
-    from health.simulation import SimulatedNvml, fault_file
+    from ft_launch.health.simulation import SimulatedNvml, fault_file
 
     backend = SimulatedNvml(0, fault_file(health.sim_fault_dir, node))
     complained: list[str] = []

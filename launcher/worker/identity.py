@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftcore.env import (
+from ft_launch.env import (
     ENV_CONFIG,
     ENV_HEARTBEAT,
     ENV_HOST,
@@ -22,8 +22,8 @@ from ftcore.env import (
     ENV_RUN_DIR,
     ENV_SECRET,
 )
-from ftcore.errors import UsageError
-from ftcore.slurm.hostlist import expand
+from ft_launch.errors import UsageError
+from ft_launch.slurm.hostlist import expand
 
 __all__ = ["ENV_CONFIG", "ENV_HEARTBEAT", "ENV_HOST", "ENV_INCARNATION", "ENV_JOB_ID",
            "ENV_NUM_REPLICAS", "ENV_RANK", "ENV_RANKS", "ENV_REPLICA_ID", "ENV_RUN_DIR",

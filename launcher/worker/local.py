@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftcore.env import ENV_INJECT, ENV_PREFIX
-from ftcore.events import Event, read_events
-from ftcore.ids import new_job_secret
+from ft_launch.env import ENV_INJECT, ENV_PREFIX
+from ft_launch.events import Event, read_events
+from ft_launch.ids import new_job_secret
 
 from . import events as worker_events
 from .identity import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ftcore.config import LrScaling
+from ft_launch.config import LrScaling
 
 
 def lr_factor(policy: LrScaling, contributors: int, replicas: int) -> float:

@@ -34,23 +34,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpt.errors import LayoutMismatchError, NoCheckpointError
-from ckpt.fetch import Peer
-from ckpt.held import HeldFiles
-from ckpt.manifest import Bytes, Manifest
-from ckpt.placement import global_rank, route_backups
-from ckpt.rank import RankCheckpointer, RankPlace
-from ckpt.restore import Restored, TierKind, peer_copies
-from ckpt.snapshot import DualBufferSnapshotter, StateSource
-from ftar import FtarGroup, ReduceOp
-from ftcore.config import Config
-from ftcore.errors import FtError, RecoverableError, TerminalAbort
-from ftcore.events import EventLog
-from ftcore.slurm.client import SlurmCli
-from launcher.heartbeat import ControllerWatchThread
-from launcher.quorum import FileDirectory, MembersLivenessChanged, QuorumAgent, StandingEnded
-from launcher.quorum.events import Event as QuorumEvent
-from launcher.quorum.witness_service import MemoryFile, replica_memory_path, run_witnesses
+from ft_launch.ckpt.errors import LayoutMismatchError, NoCheckpointError
+from ft_launch.ckpt.fetch import Peer
+from ft_launch.ckpt.held import HeldFiles
+from ft_launch.ckpt.manifest import Bytes, Manifest
+from ft_launch.ckpt.placement import global_rank, route_backups
+from ft_launch.ckpt.rank import RankCheckpointer, RankPlace
+from ft_launch.ckpt.restore import Restored, TierKind, peer_copies
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter, StateSource
+from ft_launch.config import Config
+from ft_launch.errors import FtError, RecoverableError, TerminalAbort
+from ft_launch.events import EventLog
+from ft_launch.ftar import FtarGroup, ReduceOp
+from ft_launch.launcher.heartbeat import ControllerWatchThread
+from ft_launch.launcher.quorum import (
+    FileDirectory,
+    MembersLivenessChanged,
+    QuorumAgent,
+    StandingEnded,
+)
+from ft_launch.launcher.quorum.events import Event as QuorumEvent
+from ft_launch.launcher.quorum.witness_service import MemoryFile, replica_memory_path, run_witnesses
+from ft_launch.slurm.client import SlurmCli
 
 from .audit import AuditLog
 from .controller_loss import ControllerLostNotice, end_allocation, saver_of, wait_job_ended

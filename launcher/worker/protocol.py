@@ -13,8 +13,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckpt.placement import choose_fetch_source
-from ftcore.errors import FatalError, RecoverableError
+from ft_launch.ckpt.placement import choose_fetch_source
+from ft_launch.errors import FatalError, RecoverableError
 
 Address = tuple[str, int]
 

@@ -4,7 +4,7 @@ Everything lives under ``<run_dir>/replay/``:
 
 * ``servers/replica-R.json``: where each rank of replica R serves its snapshots.
   Rank 0 writes it when its ``Manager`` starts; the controller reads it to capture
-  a healthy replica's state (``launcher.sdc_replay``).
+  a healthy replica's state (``ft_launch.launcher.sdc_replay``).
 * ``<id>/state/rank-K.manifest`` and ``rank-K.bin``: that captured state, one step
   of every rank's shard, pinned for the whole replay (a training replica moves on
   and its snapshot buffers with it). Read back CRC-checked.
@@ -27,9 +27,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from ckpt.manifest import Bytes, Manifest, ManifestError, corrupt_tensors
-from ftcore.errors import FatalError
-from ftcore.files import atomic_write_bytes, atomic_write_text
+from ft_launch.ckpt.manifest import Bytes, Manifest, ManifestError, corrupt_tensors
+from ft_launch.errors import FatalError
+from ft_launch.files import atomic_write_bytes, atomic_write_text
 
 REPLAY_DIR = "replay"
 SERVERS_DIR = "servers"

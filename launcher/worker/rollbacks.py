@@ -1,7 +1,7 @@
 """What a worker knows of the run's rollbacks (pure): which states it may restore,
 which peers it may train with.
 
-When the loss spikes the controller rolls every replica back (``launcher.rollback``):
+When the loss spikes the controller rolls every replica back (``ft_launch.launcher.rollback``):
 it restarts them all with ``FTL_WORKER_ROLLBACKS`` naming the spiking step of every
 rollback so far, in order (``"120,415"``: rolled back twice, first to before step
 120). The count is this worker's *history*: 0 for a run never rolled back.
@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ftcore.env import ENV_ROLLBACKS
-from ftcore.errors import UsageError
+from ft_launch.env import ENV_ROLLBACKS
+from ft_launch.errors import UsageError
 
 #: the key of a state's history in its loader state
 HISTORY_KEY = "history"
@@ -69,7 +69,7 @@ class Rollbacks:
 
 def history_of(meta: Mapping[str, Any]) -> int:
     """The history a state was saved in, from its manifest's meta: the loader state
-    rides there (``ckpt.torch_state``); a state saved before rollbacks existed is of
+    rides there (``ft_launch.ckpt.torch_state``); a state saved before rollbacks existed is of
     history 0."""
     loader = meta.get("loader_state")
     value = loader.get(HISTORY_KEY, 0) if isinstance(loader, Mapping) else 0

@@ -2,7 +2,7 @@
 
 An FSDP2 script adopts it in a few lines; the loop stays the script's own::
 
-    from launcher.worker.torch_api import FtOptimizer, ft_manager
+    from ft_launch import FtOptimizer, ft_manager
 
     dist.init_process_group()                  # this replica's world: ft-launch sets
     for block in model.blocks:                 # RANK, WORLD_SIZE, MASTER_ADDR, ...
@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.manifest import Bytes, Manifest
-from ckpt.resident import Residency, ResidentAdam
-from ckpt.snapshot import DualBufferSnapshotter
-from ckpt.torch_state import TorchStateSource, is_sharded, load_train_state, local_tensor
-from ftcore.config import Config, load_config
-from ftcore.errors import UsageError
+from ft_launch.ckpt.manifest import Bytes, Manifest
+from ft_launch.ckpt.resident import Residency, ResidentAdam
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt.torch_state import TorchStateSource, is_sharded, load_train_state, local_tensor
+from ft_launch.config import Config, load_config
+from ft_launch.errors import UsageError
 
 from .faults import node_sdc_probe
 from .identity import ENV_CONFIG, ENV_INCARNATION, WorkerIdentity
@@ -55,10 +55,10 @@ log = logging.getLogger(__name__)
 class TorchTrainState:
     """A model + optimizer for the step protocol: gradient reduction (hooks, or all
     of them after backward), the optimizer step with a scaled learning rate,
-    snapshots and loading through ``ckpt.torch_state``. Sharded (FSDP2) parameters
+    snapshots and loading through ``ft_launch.ckpt.torch_state``. Sharded (FSDP2) parameters
     are handled as this rank's local shards, in their own dtypes.
 
-    With a ``ckpt.resident.ResidentAdam`` optimizer the parameters and moments
+    With a ``ft_launch.ckpt.resident.ResidentAdam`` optimizer the parameters and moments
     live in the snapshot buffers (no copy per step, see ``ckpt/resident.py``)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

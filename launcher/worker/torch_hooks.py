@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftar import ReduceOp
-from ftar.torch_frontend import allreduce_tensor
+from ft_launch.ftar import ReduceOp
+from ft_launch.ftar.torch_frontend import allreduce_tensor
 
 from .exchange import Job
 from .manager import Reduction

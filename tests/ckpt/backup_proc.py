@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ckpt.held import HeldFiles
-from ckpt.placement import global_rank, route_backups
-from ckpt.rank import RankCheckpointer, RankPlace
-from ckpt.restore import peer_copies
-from ckpt.snapshot import ArrayState
-from ftcore.config import CkptConfig
+from ft_launch.ckpt.held import HeldFiles
+from ft_launch.ckpt.placement import global_rank, route_backups
+from ft_launch.ckpt.rank import RankCheckpointer, RankPlace
+from ft_launch.ckpt.restore import peer_copies
+from ft_launch.ckpt.snapshot import ArrayState
+from ft_launch.config import CkptConfig
 
 JOB = "job7"
 

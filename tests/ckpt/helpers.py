@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.manifest import Bytes, TensorDesc
-from ckpt.snapshot import ArrayState, DualBufferSnapshotter
+from ft_launch.ckpt.manifest import Bytes, TensorDesc
+from ft_launch.ckpt.snapshot import ArrayState, DualBufferSnapshotter
 
 
 def make_arrays(step: int, size: int = 1000) -> dict[str, np.ndarray]:

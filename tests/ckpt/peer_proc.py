@@ -7,8 +7,8 @@ import threading
 
 import numpy as np
 
-from ckpt.serve import StateServer
-from ckpt.snapshot import ArrayState, DualBufferSnapshotter
+from ft_launch.ckpt.serve import StateServer
+from ft_launch.ckpt.snapshot import ArrayState, DualBufferSnapshotter
 
 
 def serve_state(conn: multiprocessing.connection.Connection, secret: str, step: int,

@@ -17,10 +17,10 @@ import sys
 import threading
 from pathlib import Path
 
-import ckpt.persist
-from ckpt.errors import StorageError, StorageSetupError
-from ckpt.persist import PersistentStore
-from ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt import persist
+from ft_launch.ckpt.errors import StorageError, StorageSetupError
+from ft_launch.ckpt.persist import PersistentStore
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
 
 from .helpers import snapshot_of
 
@@ -36,9 +36,9 @@ def main(mode: str, root_text: str, step: int) -> int:
     root = Path(root_text)
     snapshotter = snapshot_of(step, DualBufferSnapshotter(), size=SIZE)
     if mode == "hang-before-rename":
-        ckpt.persist.fsync_file = lambda path: _hang(root)  # type: ignore[assignment]
+        persist.fsync_file = lambda path: _hang(root)  # type: ignore[assignment]
     elif mode == "hang-before-record":
-        ckpt.persist.atomic_write_text = lambda *a, **k: _hang(root)  # type: ignore[assignment]
+        persist.atomic_write_text = lambda *a, **k: _hang(root)  # type: ignore[assignment]
     elif mode == "fsize-limit":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (SIZE, SIZE))

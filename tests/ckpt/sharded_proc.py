@@ -19,12 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from ckpt.dual import SlotState
-from ckpt.errors import LayoutMismatchError
-from ckpt.manifest import Bytes, Manifest, plan_layout
-from ckpt.resident import Residency, ResidentAdamW
-from ckpt.snapshot import DualBufferSnapshotter
-from ckpt.torch_state import (
+from ft_launch.ckpt.dual import SlotState
+from ft_launch.ckpt.errors import LayoutMismatchError
+from ft_launch.ckpt.manifest import Bytes, Manifest, plan_layout
+from ft_launch.ckpt.resident import Residency, ResidentAdamW
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt.torch_state import (
     TorchStateSource,
     check_layout,
     layout_of,

@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt.backup import RETARGET_TRIES, BackupSender, BackupStore
-from ckpt.errors import NoCheckpointError
-from ckpt.fetch import Peer, fetch_state, push_backup
-from ckpt.held import HeldCopy, HeldFiles
-from ckpt.placement import PlacementRule, global_rank, route_backups
-from ckpt.restore import PeerCopy, PeerTier, RestoreChain, TierKind, peer_copies
-from ckpt.serve import StateServer
-from ckpt.snapshot import DualBufferSnapshotter
-from ftcore.ids import new_job_secret
+from ft_launch.ckpt.backup import RETARGET_TRIES, BackupSender, BackupStore
+from ft_launch.ckpt.errors import NoCheckpointError
+from ft_launch.ckpt.fetch import Peer, fetch_state, push_backup
+from ft_launch.ckpt.held import HeldCopy, HeldFiles
+from ft_launch.ckpt.placement import PlacementRule, global_rank, route_backups
+from ft_launch.ckpt.restore import PeerCopy, PeerTier, RestoreChain, TierKind, peer_copies
+from ft_launch.ckpt.serve import StateServer
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ids import new_job_secret
 
 from . import backup_proc
 from .helpers import assert_state_equal, snapshot_of
@@ -300,8 +300,8 @@ def test_held_files_are_node_local_directories(tmp_path):
 
 
 def test_backup_settings_come_from_the_config_and_a_relative_dir_is_refused():
-    from ftcore.config import load_config
-    from ftcore.errors import ConfigError
+    from ft_launch.config import load_config
+    from ft_launch.errors import ConfigError
 
     config = load_config(None, env={"FTL_CKPT_BACKUP_EVERY": "7",
                                     "FTL_CKPT_BACKUP_DIR": "/var/tmp"})

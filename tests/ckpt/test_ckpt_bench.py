@@ -6,10 +6,10 @@ import threading
 
 import numpy as np
 
-from ckpt.backup import BackupStore
-from ckpt.fetch import Peer
-from ckpt.serve import StateServer
-from ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt.backup import BackupStore
+from ft_launch.ckpt.fetch import Peer
+from ft_launch.ckpt.serve import StateServer
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
 from tests.scale.helpers import load_benchmark
 
 bench = load_benchmark("ckpt_bench")

@@ -1,13 +1,15 @@
-"""Everything but ``ckpt.torch_state`` loads without torch (the controller imports these)."""
+"""Everything but ``ft_launch.ckpt.torch_state`` loads without torch (the controller imports
+these)."""
 
 import subprocess
 import sys
 
 import pytest
 
-TORCH_FREE = ["ckpt.manifest", "ckpt.placement", "ckpt.wire", "ckpt.dual", "ckpt.snapshot",
-              "ckpt.serve", "ckpt.fetch", "ckpt.backup", "ckpt.persist",
-              "ckpt.restore", "ckpt.rank"]
+TORCH_FREE = ["ft_launch.ckpt.manifest", "ft_launch.ckpt.placement", "ft_launch.ckpt.wire",
+              "ft_launch.ckpt.dual", "ft_launch.ckpt.snapshot", "ft_launch.ckpt.serve",
+              "ft_launch.ckpt.fetch", "ft_launch.ckpt.backup", "ft_launch.ckpt.persist",
+              "ft_launch.ckpt.restore", "ft_launch.ckpt.rank"]
 
 
 @pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ckpt.manifest import (
+from ft_launch.ckpt.manifest import (
     ManifestError,
     ShardInfo,
     build_layout,
@@ -79,7 +79,7 @@ def test_an_unreadable_layout_is_a_corrupt_manifest():
 
 
 def test_a_manifest_whose_layout_contradicts_its_tensors_is_invalid():
-    from ckpt.manifest import Manifest, TensorDesc, plan_layout
+    from ft_launch.ckpt.manifest import Manifest, TensorDesc, plan_layout
 
     specs, total = plan_layout([TensorDesc("model/w", "float32", (8, 4))])
     good = Manifest(0, specs, total, meta={"layout": _layout(w=_shard())})

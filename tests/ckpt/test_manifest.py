@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from ckpt.manifest import (
+from ft_launch.ckpt.manifest import (
     ALIGN,
     Manifest,
     ManifestError,

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.held import HeldFiles
-from ckpt.persist import PersistentStore
-from ckpt.restore import TierKind
-from launcher.worker import events as worker_events
-from launcher.worker.audit import check_exactly_once
-from launcher.worker.identity import ENV_HOST
-from launcher.worker.local import LocalJob
+from ft_launch.ckpt.held import HeldFiles
+from ft_launch.ckpt.persist import PersistentStore
+from ft_launch.ckpt.restore import TierKind
+from ft_launch.launcher.worker import events as worker_events
+from ft_launch.launcher.worker.audit import check_exactly_once
+from ft_launch.launcher.worker.identity import ENV_HOST
+from ft_launch.launcher.worker.local import LocalJob
 from tests.waiting import patience, wait_until
 from tests.worker.harness import loopback_job
 

@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt import persist
-from ckpt.errors import (
+from ft_launch.ckpt import persist
+from ft_launch.ckpt.errors import (
     CheckpointCorruptError,
     StorageError,
     StorageSetupError,
     storage_error,
 )
-from ckpt.persist import Completeness, PersistBusyError, PersistentStore, step_dir_name
-from ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt.persist import Completeness, PersistBusyError, PersistentStore, step_dir_name
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
 from tests.waiting import wait_until
 
 from .helpers import GatedSource, assert_state_equal, make_arrays, snapshot_of
@@ -76,7 +76,7 @@ def test_the_staging_copy_lives_only_as_long_as_its_write(tmp_path, monkeypatch)
     staged: list[tuple[str, weakref.ref]] = []
     prefault = persist.numpy_allocator
 
-    class Numpy:  # numpy as ckpt.persist sees it, its staging allocations noted
+    class Numpy:  # numpy as ft_launch.ckpt.persist sees it, its staging allocations noted
         def __getattr__(self, name: str):
             return getattr(np, name)
 

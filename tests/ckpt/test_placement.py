@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from ckpt.errors import PlacementError
-from ckpt.placement import (
+from ft_launch.ckpt.errors import PlacementError
+from ft_launch.ckpt.placement import (
     GroupKind,
     PlacementRule,
     Topology,

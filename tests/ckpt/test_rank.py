@@ -7,12 +7,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ckpt.persist import Completeness
-from ckpt.rank import RankCheckpointer, RankPlace
-from ckpt.restore import TierKind
-from ckpt.snapshot import ArrayState
-from ftcore.config import CkptConfig
-from ftcore.ids import new_job_secret
+from ft_launch.ckpt.persist import Completeness
+from ft_launch.ckpt.rank import RankCheckpointer, RankPlace
+from ft_launch.ckpt.restore import TierKind
+from ft_launch.ckpt.snapshot import ArrayState
+from ft_launch.config import CkptConfig
+from ft_launch.ids import new_job_secret
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = new_job_secret()

@@ -14,10 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ckpt.resident import Residency, ResidentAdam, ResidentAdamW
-from ckpt.restore import MemoryTier, RestoreChain
-from ckpt.snapshot import DualBufferSnapshotter
-from ckpt.torch_state import TorchStateSource, load_train_state
+from ft_launch.ckpt.resident import Residency, ResidentAdam, ResidentAdamW
+from ft_launch.ckpt.restore import MemoryTier, RestoreChain
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt.torch_state import TorchStateSource, load_train_state
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from ckpt.backup import BackupStore
-from ckpt.errors import NoCheckpointError
-from ckpt.fetch import Peer, push_backup
-from ckpt.manifest import Bytes, Manifest
-from ckpt.persist import Completeness, PersistentStore
-from ckpt.restore import (
+from ft_launch.ckpt.backup import BackupStore
+from ft_launch.ckpt.errors import NoCheckpointError
+from ft_launch.ckpt.fetch import Peer, push_backup
+from ft_launch.ckpt.manifest import Bytes, Manifest
+from ft_launch.ckpt.persist import Completeness, PersistentStore
+from ft_launch.ckpt.restore import (
     Candidate,
     DiskTier,
     MemoryTier,
@@ -24,10 +24,10 @@ from ckpt.restore import (
     newest_common_step,
     order_candidates,
 )
-from ckpt.serve import StateServer
-from ckpt.snapshot import ArrayState, DualBufferSnapshotter
-from ftcore.events import EventLog, read_events
-from ftcore.ids import new_job_secret
+from ft_launch.ckpt.serve import StateServer
+from ft_launch.ckpt.snapshot import ArrayState, DualBufferSnapshotter
+from ft_launch.events import EventLog, read_events
+from ft_launch.ids import new_job_secret
 
 from .helpers import assert_state_equal, make_arrays, snapshot_of
 

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ckpt.backup import BackupSender, BackupStore
-from ckpt.dual import SlotState, Snapshot
-from ckpt.errors import FetchError
-from ckpt.fetch import (
+from ft_launch.ckpt.backup import BackupSender, BackupStore
+from ft_launch.ckpt.dual import SlotState, Snapshot
+from ft_launch.ckpt.errors import FetchError
+from ft_launch.ckpt.fetch import (
     CatchUp,
     Peer,
     _Deadline,
@@ -29,9 +29,9 @@ from ckpt.fetch import (
     fetch_state,
     push_backup,
 )
-from ckpt.serve import StateServer
-from ckpt.snapshot import DualBufferSnapshotter
-from ckpt.wire import (
+from ft_launch.ckpt.serve import StateServer
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt.wire import (
     AUTH_HEADER,
     AuthVerdict,
     BodyClaim,
@@ -44,7 +44,7 @@ from ckpt.wire import (
     split_ranges,
     target_for,
 )
-from ftcore.ids import new_job_secret
+from ft_launch.ids import new_job_secret
 from tests.waiting import wait_until
 
 from .helpers import GatedSource, assert_state_equal, make_arrays, snapshot_of

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckpt.backup import BackupStore
-from ckpt.dual import Snapshot
-from ckpt.errors import NoCheckpointError
-from ckpt.fetch import Peer, fetch_state, push_backup
-from ckpt.serve import StateServer
-from ckpt.snapshot import DualBufferSnapshotter
-from ckpt.wire import (
+from ft_launch.ckpt.backup import BackupStore
+from ft_launch.ckpt.dual import Snapshot
+from ft_launch.ckpt.errors import NoCheckpointError
+from ft_launch.ckpt.fetch import Peer, fetch_state, push_backup
+from ft_launch.ckpt.serve import StateServer
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt.wire import (
     AUTH_HEADER,
     AuthVerdict,
     BodyClaim,
@@ -41,7 +41,7 @@ from ckpt.wire import (
     parse_target,
     target_for,
 )
-from ftcore.ids import new_job_secret
+from ft_launch.ids import new_job_secret
 from tests.waiting import wait_until
 
 from .helpers import assert_state_equal, snapshot_of

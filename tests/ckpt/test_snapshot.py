@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from ckpt.dual import TRANSITIONS, DualBuffer, SlotState
-from ckpt.errors import NoCheckpointError
-from ckpt.manifest import corrupt_tensors
-from ckpt.snapshot import ArrayState, DualBufferSnapshotter
+from ft_launch.ckpt.dual import TRANSITIONS, DualBuffer, SlotState
+from ft_launch.ckpt.errors import NoCheckpointError
+from ft_launch.ckpt.manifest import corrupt_tensors
+from ft_launch.ckpt.snapshot import ArrayState, DualBufferSnapshotter
 from tests.waiting import wait_until
 
 from .helpers import GatedSource, assert_state_equal, make_arrays, snapshot_of
@@ -181,16 +181,16 @@ def test_a_step_pays_for_the_copy_only_checksums_come_with_first_use():
 
 
 def test_concurrent_first_uses_compute_the_checksums_once(monkeypatch):
-    import ckpt.dual
+    from ft_launch.ckpt import dual
 
     calls: list[int] = []
-    original = ckpt.dual.add_checksums
+    original = dual.add_checksums
 
     def counting(manifest, buffer):
         calls.append(manifest.step)
         return original(manifest, buffer)
 
-    monkeypatch.setattr(ckpt.dual, "add_checksums", counting)
+    monkeypatch.setattr(dual, "add_checksums", counting)
     snapshotter = snapshot_of(4, size=200_000)
     seen: list[int | None] = []
 

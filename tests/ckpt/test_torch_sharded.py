@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.multiprocessing as torch_mp
 
-from ftcore.errors import ExitCode
+from ft_launch.errors import ExitCode
 from tests.waiting import patience
 
 from .sharded_proc import run

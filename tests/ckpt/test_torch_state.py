@@ -7,9 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ckpt.dual import numpy_allocator
-from ckpt.snapshot import DualBufferSnapshotter
-from ckpt.torch_state import (
+from ft_launch.ckpt.dual import numpy_allocator
+from ft_launch.ckpt.snapshot import DualBufferSnapshotter
+from ft_launch.ckpt.torch_state import (
     TorchStateSource,
     load_train_state,
     pinned_allocator,

@@ -19,7 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ftcore.slurm import commands
+from ft_launch.slurm import commands
 from tests.cluster import labcluster
 from tests.waiting import wait_until
 

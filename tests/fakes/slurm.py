@@ -18,11 +18,11 @@ import subprocess
 from collections.abc import Iterable, Mapping
 from typing import cast
 
-from ftcore.errors import SlurmCommandError
-from ftcore.ids import StepRef
-from ftcore.slurm.commands import StepSpec
-from ftcore.slurm.parse import JobInfo, NodeInfo, ReservationInfo, StepInfo
-from ftcore.slurm.states import JobState, NodeState
+from ft_launch.errors import SlurmCommandError
+from ft_launch.ids import StepRef
+from ft_launch.slurm.commands import StepSpec
+from ft_launch.slurm.parse import JobInfo, NodeInfo, ReservationInfo, StepInfo
+from ft_launch.slurm.states import JobState, NodeState
 
 
 class FakeStep:

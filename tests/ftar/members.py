@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ftar.dtypes import f32_to_bf16
+from ft_launch.ftar.dtypes import f32_to_bf16
 from tests.waiting import patience
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -65,9 +65,9 @@ class Reduce:
 
 def _member_main(conn: Connection, config_kwargs: dict[str, Any], secret: str,
                  group_kwargs: dict[str, Any]) -> None:
-    from ftar import FtarGroup, ReduceOp
-    from ftcore.config import FtarConfig
-    from ftcore.errors import FtError
+    from ft_launch.config import FtarConfig
+    from ft_launch.errors import FtError
+    from ft_launch.ftar import FtarGroup, ReduceOp
 
     armed: list[Fault] = []
 

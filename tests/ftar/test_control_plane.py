@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ftar import (
+from ft_launch.config import FtarConfig
+from ft_launch.ftar import (
     AuthenticationError,
     FtarGroup,
     FtarUsageError,
@@ -24,10 +25,9 @@ from ftar import (
     ReduceOp,
     StaleQuorumError,
 )
-from ftar.errors import FailureKind
-from ftar.transport import Hello, connect
-from ftcore.config import FtarConfig
-from ftcore.ids import new_job_secret
+from ft_launch.ftar.errors import FailureKind
+from ft_launch.ftar.transport import Hello, connect
+from ft_launch.ids import new_job_secret
 from tests.waiting import wait_until
 
 CONFIG = FtarConfig(chunk_bytes=4096, timeout=5.0, connect_timeout=1.0)

@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ftar.dtypes import ElementType, HostKernels, bf16_to_f32, element_type_of, f32_to_bf16
-from ftar.errors import FtarUsageError
+from ft_launch.ftar.dtypes import (
+    ElementType,
+    HostKernels,
+    bf16_to_f32,
+    element_type_of,
+    f32_to_bf16,
+)
+from ft_launch.ftar.errors import FtarUsageError
 
 
 def _to_bf16(values: np.ndarray) -> np.ndarray:

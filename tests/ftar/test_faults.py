@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ftcore.ids import new_job_secret
+from ft_launch.ids import new_job_secret
 from tests.ftar.members import Fault, Reduce, Ring, reference
 from tests.waiting import patience
 

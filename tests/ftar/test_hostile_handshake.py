@@ -14,11 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from ftar.connections import Connector
-from ftar.transport import MAGIC, VERSION, Hello, Listener, Verdict, connect
-from ftcore.config import FtarConfig
-from ftcore.ids import new_job_secret
-from ftcore.logs import SAMPLE_EVERY
+from ft_launch.config import FtarConfig
+from ft_launch.ftar.connections import Connector
+from ft_launch.ftar.transport import MAGIC, VERSION, Hello, Listener, Verdict, connect
+from ft_launch.ids import new_job_secret
+from ft_launch.logs import SAMPLE_EVERY
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -127,7 +127,7 @@ def _junk_hellos() -> list[bytes]:
 
 def test_junk_handshakes_are_counted_and_logged_sampled_without_tracebacks(
         connector: Connector, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="ftar.transport")
+    caplog.set_level(logging.WARNING, logger="ft_launch.ftar.transport")
     rounds = 10
     for _ in range(rounds):
         for junk in _junk_hellos():

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ftcore.ids import new_job_secret
+from ft_launch.ids import new_job_secret
 from tests.ftar.members import DTYPES, Fault, Reduce, Ring, as_float64, reference, tolerance
 
 # Small chunks so that modest arrays still span several partitions and chunks.

@@ -8,7 +8,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from ftar.schedule import (
+from ft_launch.ftar.schedule import (
     Phase,
     RingPlan,
     Span,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ftcore.ids import new_job_secret
+from ft_launch.ids import new_job_secret
 from tests.ftar.torch_member import member_main
 
 MEMBERS = 2
@@ -89,7 +89,8 @@ def test_non_contiguous_tensor_is_reduced_in_place(results: list[dict]) -> None:
 
 @pytest.mark.timeout(60)
 def test_ftar_package_does_not_import_torch() -> None:
-    code = ("import sys, ftar, ftar.ring, ftar.transport, ftar.schedule; "
+    code = ("import sys, ft_launch.ftar, ft_launch.ftar.ring, ft_launch.ftar.transport, "
+            "ft_launch.ftar.schedule; "
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, check=False, cwd=Path(__file__).resolve().parents[2])
@@ -102,9 +103,9 @@ def test_cuda_tensor_through_pinned_staging() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from ftar import FtarGroup, ReduceOp
-    from ftar.torch_frontend import allreduce_tensor
-    from ftcore.config import FtarConfig
+    from ft_launch.config import FtarConfig
+    from ft_launch.ftar import FtarGroup, ReduceOp
+    from ft_launch.ftar.torch_frontend import allreduce_tensor
 
     with FtarGroup(FtarConfig(chunk_bytes=4096), new_job_secret()) as group:
         group.reconfigure(1, [group.address], 0)   # one member: staging round trip only
@@ -117,7 +118,7 @@ class _FailingGroup:
     """Stands in for an FtarGroup whose ring breaks (or that is misused)."""
 
     def __init__(self, error: Exception) -> None:
-        from ftcore.config import FtarConfig
+        from ft_launch.config import FtarConfig
 
         self.config = FtarConfig()
         self.error = error
@@ -139,9 +140,9 @@ class _Bucket:
 def _hooked(group: _FailingGroup) -> tuple[Any, Any]:
     """The worker's DDP comm hook over ``group`` on an exchange thread, a one-rank
     replica (no DDP model: the hook is called as DDP calls it)."""
-    from launcher.worker.exchange import StepWork
-    from launcher.worker.manager import Reduction
-    from launcher.worker.torch_hooks import DdpExchange
+    from ft_launch.launcher.worker.exchange import StepWork
+    from ft_launch.launcher.worker.manager import Reduction
+    from ft_launch.launcher.worker.torch_hooks import DdpExchange
 
     work = StepWork()
     exchange = DdpExchange.__new__(DdpExchange)
@@ -158,9 +159,9 @@ def test_hook_keeps_a_recoverable_error_and_skips_the_other_buckets(
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from ftar import PeerFailedError
-    from ftar.errors import FailureKind
-    from launcher.worker.torch_hooks import ddp_comm_hook
+    from ft_launch.ftar import PeerFailedError
+    from ft_launch.ftar.errors import FailureKind
+    from ft_launch.launcher.worker.torch_hooks import ddp_comm_hook
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     error = PeerFailedError(FailureKind.CLOSED, peer_index=1, peer_address="h:1",
@@ -181,8 +182,8 @@ def test_hook_hands_a_fatal_error_to_the_training_thread(
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from ftar import FtarUsageError
-    from launcher.worker.torch_hooks import ddp_comm_hook
+    from ft_launch.ftar import FtarUsageError
+    from ft_launch.launcher.worker.torch_hooks import ddp_comm_hook
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     work, exchange = _hooked(_FailingGroup(FtarUsageError("members disagree")))
@@ -203,7 +204,7 @@ def test_fsdp_param_groups_are_found_in_either_torch_layout(state: dict, expecte
     releases; the GPU tier runs an older torch than this one."""
     from types import SimpleNamespace
 
-    from launcher.worker.torch_hooks import _param_groups
+    from ft_launch.launcher.worker.torch_hooks import _param_groups
 
     unit = SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
     assert _param_groups(unit) == expected

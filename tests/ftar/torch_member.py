@@ -28,12 +28,12 @@ def member_main(conn: Connection, index: int, secret: str, store_path: str) -> N
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ftar import FtarGroup, ReduceOp
-    from ftar.torch_frontend import allreduce_tensor
-    from ftcore.config import FtarConfig
-    from launcher.worker.exchange import StepWork
-    from launcher.worker.manager import Reduction
-    from launcher.worker.torch_hooks import DdpExchange
+    from ft_launch.config import FtarConfig
+    from ft_launch.ftar import FtarGroup, ReduceOp
+    from ft_launch.ftar.torch_frontend import allreduce_tensor
+    from ft_launch.launcher.worker.exchange import StepWork
+    from ft_launch.launcher.worker.manager import Reduction
+    from ft_launch.launcher.worker.torch_hooks import DdpExchange
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0,

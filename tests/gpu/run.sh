@@ -15,7 +15,8 @@
 # tests/bootstrap.sh is not used: it installs Slurm, munge and MPICH with apt,
 # which this tier does not need and an offline machine cannot fetch. Nor is
 # `pip install -e '.[test]'`: its torch==2.13.0 pin would replace the machine's
-# CUDA torch (or fail offline). The repository is put on PYTHONPATH instead.
+# CUDA torch (or fail offline). The package is laid out as pip would install it
+# instead, as links into the checkout (installed_layout below), and put on PYTHONPATH.
 # Offline, missing wheels are taken from ./.whl when it is there (see
 # tests/gpu/wheels.sh, run beforehand on a machine that reaches PyPI).
 # The parts run as `bash -c NAME` (under timeout), which shellcheck cannot follow.
@@ -28,7 +29,27 @@ export OUT
 mkdir -p "$OUT"
 PY=python3
 export PY PYTHONUNBUFFERED=1 PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# installed_layout DIR: ft_launch as an install lays it out (pyproject's package-dir:
+# ftcore/ is ft_launch, launcher/ is ft_launch.launcher, ...), made of links to the
+# checkout's files, so the tests run this tree's code without pip.
+installed_layout() {
+  "$PY" - "$1" <<'EOF'
+import sys, tomllib
+from pathlib import Path
+tree = Path(sys.argv[1])
+folders = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+for package, folder in sorted(folders.items()):        # a package before its subpackages
+    target = tree.joinpath(*package.split("."))
+    target.mkdir(parents=True)
+    for entry in Path(folder).resolve().iterdir():
+        if entry.name != "__pycache__" and not target.joinpath(entry.name).exists():
+            target.joinpath(entry.name).symlink_to(entry)
+EOF
+}
+layout=$(mktemp -d)
+installed_layout "$layout" || { echo "could not lay out the ft_launch package"; exit 1; }
+export PYTHONPATH="$layout:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # Seconds each part may take at most, and all of them together (well under 9
 # minutes): a part gets what is left of TOTAL_LIMIT when that is less.

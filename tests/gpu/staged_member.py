@@ -28,8 +28,8 @@ def member_main(conn: Connection, index: int, secret: str, device_name: str) -> 
     # if this member hangs, its stacks reach the test's captured output before the
     # test gives up on it
     faulthandler.dump_traceback_later(50, file=sys.stderr)
-    from ftar import FtarGroup
-    from ftcore.config import FtarConfig
+    from ft_launch.config import FtarConfig
+    from ft_launch.ftar import FtarGroup
 
     group = FtarGroup(FtarConfig(chunk_bytes=4096, timeout=20.0), secret)
     conn.send(group.address)
@@ -57,8 +57,8 @@ def _same_bits(group: Any, index: int, members: int, device_name: str) -> dict[s
     """Each case through the CPU path and the staged path: the bits of both results."""
     import torch
 
-    from ftar import ReduceOp
-    from ftar.torch_frontend import allreduce_tensor
+    from ft_launch.ftar import ReduceOp
+    from ft_launch.ftar.torch_frontend import allreduce_tensor
 
     device = torch.device(device_name)
     gen = torch.Generator().manual_seed(4321 + index)
@@ -91,8 +91,8 @@ def _stream_order(group: Any, index: int, device_name: str) -> dict[str, Any]:
     unrelated streams of the device."""
     import torch
 
-    from ftar import ReduceOp
-    from ftar.torch_frontend import _staging_stream, allreduce_tensor
+    from ft_launch.ftar import ReduceOp
+    from ft_launch.ftar.torch_frontend import _staging_stream, allreduce_tensor
 
     device = torch.device(device_name)
     out: dict[str, Any] = {}

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from launcher.worker.local import LocalJob
+from ft_launch.launcher.worker.local import LocalJob
 from tests.waiting import patience
 
 pytestmark = pytest.mark.gpu

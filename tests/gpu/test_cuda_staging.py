@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ftcore.ids import new_job_secret
+from ft_launch.ids import new_job_secret
 from tests.gpu.staged_member import DTYPES, SIZES, expected_sum, member_main
 from tests.waiting import patience
 

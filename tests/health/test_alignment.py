@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from health.alignment import AlignmentRun, digest_outliers, judge_run, run_in_subprocess
-from health.catalog import AlignmentParams, bind
-from health.result import CheckStatus
-from health.settings import parse_settings
+from ft_launch.health.alignment import AlignmentRun, digest_outliers, judge_run, run_in_subprocess
+from ft_launch.health.catalog import AlignmentParams, bind
+from ft_launch.health.result import CheckStatus
+from ft_launch.health.settings import parse_settings
 
 pytest.importorskip("torch")
 

@@ -4,9 +4,14 @@ import math
 
 import pytest
 
-from health.anomaly import AnomalyKind, MetricAnomalyDetector, SlowdownDetector, SpikeDetector
-from health.monitor import AlarmKind, DetectionMonitor, MonitorSettings
-from health.wire import Envelope, MessageKind
+from ft_launch.health.anomaly import (
+    AnomalyKind,
+    MetricAnomalyDetector,
+    SlowdownDetector,
+    SpikeDetector,
+)
+from ft_launch.health.monitor import AlarmKind, DetectionMonitor, MonitorSettings
+from ft_launch.health.wire import Envelope, MessageKind
 
 
 def test_spike_needs_warmup_and_factor_five():
@@ -111,8 +116,8 @@ def test_monitor_turns_a_failed_inspection_into_one_alarm():
 
 
 def test_health_events_round_trip_through_the_event_log_format():
-    from ftcore.events import event_from_json
-    from health.events import DetectionAlarmRaised, OverEvictionDecided
+    from ft_launch.events import event_from_json
+    from ft_launch.health.events import DetectionAlarmRaised, OverEvictionDecided
     for event in (DetectionAlarmRaised(kind="hang", detail="no step", step=7),
                   OverEvictionDecided(trigger="hang", group="pp:2", nodes=["n4", "n5"],
                                       outlier_ranks=[4, 5])):

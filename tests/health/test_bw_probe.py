@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from health.bw_probe import LinkBandwidth, judge_bandwidth, links_from_json
-from health.result import CheckStatus
+from ft_launch.health.bw_probe import LinkBandwidth, judge_bandwidth, links_from_json
+from ft_launch.health.result import CheckStatus
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def test_two_ranks_on_loopback():
     pytest.importorskip("mpi4py")
     if shutil.which("mpiexec") is None:
         pytest.skip("no mpiexec")
-    done = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "health.bw_probe",
+    done = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "ft_launch.health.bw_probe",
                            "--bytes", str(4 << 20), "--iterations", "3"],
                           check=False, capture_output=True, text=True, timeout=50,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

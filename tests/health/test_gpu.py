@@ -3,9 +3,9 @@ the node profiles on it, and the alignment test on CUDA. Skipped elsewhere."""
 
 import pytest
 
-from health.nvml_backend import NvmlBackend
-from health.profile import run_profile
-from health.settings import parse_settings
+from ft_launch.health.nvml_backend import NvmlBackend
+from ft_launch.health.profile import run_profile
+from ft_launch.health.settings import parse_settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -35,7 +35,7 @@ def test_node_profiles_pass_on_a_healthy_gpu_node(snapshot):
 
 def test_alignment_is_bitwise_repeatable_on_cuda(snapshot):
     pytest.importorskip("torch")
-    from health.alignment import run_in_subprocess
+    from ft_launch.health.alignment import run_in_subprocess
     runs = run_in_subprocess(("all",), repeats=3, timeout=240)
     assert runs and all(run.device.startswith("cuda") for run in runs)
     assert all(run.deterministic for run in runs), [r.digests for r in runs]

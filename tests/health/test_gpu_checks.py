@@ -7,12 +7,12 @@ import types
 
 import pytest
 
-from ftcore.errors import ConfigError
-from health.catalog import CATALOG, bind, default_params
-from health.context import CheckContext
-from health.gpu_facts import NoGpuBackend
-from health.result import CheckStatus
-from health.simulation import SimulatedNvml, fault_file, load_faults, parse_faults
+from ft_launch.errors import ConfigError
+from ft_launch.health.catalog import CATALOG, bind, default_params
+from ft_launch.health.context import CheckContext
+from ft_launch.health.gpu_facts import NoGpuBackend
+from ft_launch.health.result import CheckStatus
+from ft_launch.health.simulation import SimulatedNvml, fault_file, load_faults, parse_faults
 
 GPUS = 8
 
@@ -183,7 +183,7 @@ def nvml_module(monkeypatch):
 
 
 def test_nvml_backend_maps_every_fact(nvml_module, tmp_path):
-    from health.nvml_backend import NvmlBackend
+    from ft_launch.health.nvml_backend import NvmlBackend
     nvml_module()
     kmsg = tmp_path / "kmsg"  # not a real /dev/kmsg: read as one record
     kmsg.write_text("4,1,100,-;NVRM: Xid (PCI:0000:19:00): 79, pid=1, fallen off the bus\n")
@@ -199,14 +199,14 @@ def test_nvml_backend_maps_every_fact(nvml_module, tmp_path):
 
 
 def test_nvml_backend_marks_a_lost_gpu(nvml_module):
-    from health.nvml_backend import NvmlBackend
+    from ft_launch.health.nvml_backend import NvmlBackend
     nvml_module(lost_index=1)
     devices = NvmlBackend(kmsg_path="/nonexistent").snapshot().devices
     assert [d.lost for d in devices] == [False, True]
 
 
 def test_nvml_backend_reports_a_missing_driver(monkeypatch):
-    from health.nvml_backend import NvmlBackend
+    from ft_launch.health.nvml_backend import NvmlBackend
     module = fake_pynvml()
 
     def no_driver():

@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.errors import ExitCode
+from ft_launch.errors import ExitCode
 from tests.health.test_plugins import calls, lab  # noqa: F401 (lab: a fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
 HOOK_TIMEOUT = 30          # a hook that takes this long is hung (they take < 1 s)
 MEMORY_CAP = 1 << 30       # the 1 GiB cap under which /dev/zero made the old Epilog fail open
-ROOT_HOOKS = ["slurm_plugins.prolog", "slurm_plugins.epilog", "slurm_plugins.healthcheck"]
-ALL_HOOKS = [*ROOT_HOOKS, "slurm_plugins.gate"]
+ROOT_HOOKS = ["ft_launch.slurm_plugins.prolog", "ft_launch.slurm_plugins.epilog",
+              "ft_launch.slurm_plugins.healthcheck"]
+ALL_HOOKS = [*ROOT_HOOKS, "ft_launch.slurm_plugins.gate"]
 UID = os.getuid()
 
 
@@ -52,7 +53,7 @@ def test_a_bad_node_name_is_refused_in_one_line_and_nothing_is_written(lab, modu
                       SLURM_JOB_UID=str(UID))
     assert "Traceback" not in done.stderr
     assert "SLURMD_NODENAME" in done.stderr and "not a Slurm node name" in done.stderr
-    if module == "slurm_plugins.gate":
+    if module == "ft_launch.slurm_plugins.gate":
         # The step's environment is the job owner's: theirs to fix, the step fails.
         assert done.returncode == ExitCode.USAGE
         assert done.stderr.startswith("ft-gate: ")
@@ -88,7 +89,7 @@ def test_a_bad_job_variable_is_dropped_in_one_line_and_the_node_still_checked(
     assert len(warned) == 1 and "ignored: expected" in warned[0], done.stderr
     assert len(warned[0]) < 300                              # the value is quoted short
     written = files_under(tmp_path) - before - {Path("calls")}
-    if module == "slurm_plugins.gate":
+    if module == "ft_launch.slurm_plugins.gate":
         assert written == set()                 # the gate writes only its --report
         return
     hook = module.rsplit(".", 1)[1]
@@ -175,7 +176,8 @@ def test_the_epilog_fails_closed_on_a_request_it_cannot_trust(lab, kind):
     tmp_path, env = lab
     make, why = HOSTILE[kind]
     epilog_record(tmp_path, make(tmp_path))
-    done = run_capped("slurm_plugins.epilog", env, SLURM_JOB_ID="43", SLURM_JOB_UID=str(UID))
+    done = run_capped("ft_launch.slurm_plugins.epilog", env, SLURM_JOB_ID="43",
+                      SLURM_JOB_UID=str(UID))
     assert "Traceback" not in done.stderr
     assert done.returncode == ExitCode.OK, done.stderr            # the node itself is healthy
     [reason] = drained_reasons(tmp_path)
@@ -189,7 +191,8 @@ def test_the_epilog_honours_a_valid_request_and_still_checks(lab):
     tmp_path, env = lab
     write_valid(request_dir(tmp_path) / "n3.json")
     epilog_record(tmp_path, tmp_path / "run")
-    done = run_capped("slurm_plugins.epilog", env, SLURM_JOB_ID="43", SLURM_JOB_UID=str(UID))
+    done = run_capped("ft_launch.slurm_plugins.epilog", env, SLURM_JOB_ID="43",
+                      SLURM_JOB_UID=str(UID))
     assert done.returncode == ExitCode.OK, done.stderr
     assert drained_reasons(tmp_path) == [
         "reason=ft: evicted by ft-launch (job 43): replica 1 stalled"]
@@ -200,17 +203,19 @@ def test_the_epilog_ignores_a_run_without_a_request_for_its_node(lab):
     tmp_path, env = lab
     write_valid(request_dir(tmp_path) / "n4.json", node="n4")     # another node's request
     epilog_record(tmp_path, tmp_path / "run")
-    done = run_capped("slurm_plugins.epilog", env, SLURM_JOB_ID="43", SLURM_JOB_UID=str(UID))
+    done = run_capped("ft_launch.slurm_plugins.epilog", env, SLURM_JOB_ID="43",
+                      SLURM_JOB_UID=str(UID))
     assert done.returncode == ExitCode.OK, done.stderr
     assert drained_reasons(tmp_path) == []
 
 
 def test_plugins_import_nothing_from_the_launcher():
     """Imports flow slurm_plugins -> health -> ftcore (house style)."""
-    modules = ", ".join(f"slurm_plugins.{m}" for m in ("prolog", "epilog", "healthcheck",
-                                                        "gate", "hook"))
+    modules = ", ".join(f"ft_launch.slurm_plugins.{m}"
+                        for m in ("prolog", "epilog", "healthcheck", "gate", "hook"))
     code = (f"import sys, {modules}; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'launcher', 'ftar', 'ckpt'}))")
+            "print(sorted({'.'.join(m.split('.')[:2]) for m in sys.modules} & "
+            "{'ft_launch.launcher', 'ft_launch.ftar', 'ft_launch.ckpt'}))")
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                           text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr

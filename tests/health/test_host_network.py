@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from health import host_checks, network_checks, xid
-from health.context import CheckContext, JobFacts
-from health.result import CheckStatus
-from health.simulation import parse_faults
+from ft_launch.health import host_checks, network_checks, xid
+from ft_launch.health.context import CheckContext, JobFacts
+from ft_launch.health.result import CheckStatus
+from ft_launch.health.simulation import parse_faults
 
 GiB = 1 << 30
 

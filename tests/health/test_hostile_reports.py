@@ -21,14 +21,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftcore.config import HealthConfig
-from ftcore.ids import new_job_secret, sign
-from ftcore.logs import SAMPLE_EVERY
-from health.channel import Collector, Sender
-from health.inspection import SECRET_ENV, node_alarm, report_from
-from health.monitor import DetectionMonitor
-from health.settings import ENV_CONFIG
-from health.wire import (
+from ft_launch.config import HealthConfig
+from ft_launch.health.channel import Collector, Sender
+from ft_launch.health.inspection import SECRET_ENV, node_alarm, report_from
+from ft_launch.health.monitor import DetectionMonitor
+from ft_launch.health.settings import ENV_CONFIG
+from ft_launch.health.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL,
     Envelope,
@@ -37,7 +35,9 @@ from health.wire import (
     decode,
     encode,
 )
-from launcher.inspection import NodeInspection
+from ft_launch.ids import new_job_secret, sign
+from ft_launch.launcher.inspection import NodeInspection
+from ft_launch.logs import SAMPLE_EVERY
 from tests.waiting import wait_until
 from tests.zmtp import RawPeer
 
@@ -105,7 +105,7 @@ def hostile_messages(secret: str) -> dict[str, list[bytes]]:
 
 class LocalSteps:
     """The ``SlurmBackend`` calls ``NodeInspection`` makes: each step runs here as
-    a local process (the real ``python -m health.inspection`` agent)."""
+    a local process (the real ``python -m ft_launch.health.inspection`` agent)."""
 
     def launch_step(self, spec: Any, env: Mapping[str, str] | None = None,
                     stdout: int | None = None) -> subprocess.Popen[bytes]:
@@ -268,7 +268,7 @@ def test_a_flood_of_junk_costs_a_few_log_lines_and_is_counted_exactly(
         for _ in range(unsigned):
             raw.send_multipart([b"junk"])
 
-    caplog.set_level(logging.WARNING, logger="health.channel")
+    caplog.set_level(logging.WARNING, logger="ft_launch.health.channel")
     sender = threading.Thread(target=flood, daemon=True)
     sender.start()
     try:
@@ -277,7 +277,7 @@ def test_a_flood_of_junk_costs_a_few_log_lines_and_is_counted_exactly(
         sender.join(10)
         assert collector.rejections == {"bad_signature": bad_signature, "malformed": unsigned,
                                         "invalid": 0, "replayed": 0}
-        lines = [r for r in caplog.records if r.name == "health.channel"]
+        lines = [r for r in caplog.records if r.name == "ft_launch.health.channel"]
         # The first of each kind, then one per SAMPLE_EVERY: 3 + 2 lines, not 3,700.
         assert len(lines) == sum(1 + n // SAMPLE_EVERY for n in (bad_signature, unsigned))
         assert "bad_signature" in lines[0].getMessage() and "so far" in lines[0].getMessage()
@@ -327,7 +327,7 @@ def test_a_sender_drops_a_message_above_the_limit_rather_than_raising() -> None:
 
 def test_one_poll_takes_a_bounded_number_of_messages(monkeypatch: pytest.MonkeyPatch) -> None:
     """A flood cannot keep the controller's loop inside one ``poll``."""
-    monkeypatch.setattr("health.channel.MAX_PER_POLL", 10)
+    monkeypatch.setattr("ft_launch.health.channel.MAX_PER_POLL", 10)
     collector = Collector(new_job_secret())
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)

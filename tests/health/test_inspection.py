@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ftcore.ids import new_job_secret
-from health.channel import Collector, Sender
-from health.inspection import InspectionAgent, node_alarm, report_from
-from health.settings import parse_settings
-from health.wire import Envelope, MessageKind, ReplayGuard, WireError, decode, encode
+from ft_launch.health.channel import Collector, Sender
+from ft_launch.health.inspection import InspectionAgent, node_alarm, report_from
+from ft_launch.health.settings import parse_settings
+from ft_launch.health.wire import Envelope, MessageKind, ReplayGuard, WireError, decode, encode
+from ft_launch.ids import new_job_secret
 from tests.waiting import patience
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,7 +43,7 @@ def test_agent_process_reports_until_a_fault_then_alarms(tmp_path):
                       f'[checks.disk]\npaths = ["/"]\nmin_free_bytes = 1\n')
     collector = Collector(secret)
     agent = subprocess.Popen(
-        [sys.executable, "-m", "health.inspection", "--endpoint", collector.endpoint,
+        [sys.executable, "-m", "ft_launch.health.inspection", "--endpoint", collector.endpoint,
          "--node", "n2", "--interval", "0.2", "--config", str(config)],
         env={**os.environ, "FTL_WORKER_SECRET": secret, "PYTHONPATH": str(REPO)},
         stderr=subprocess.DEVNULL)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from health.anomaly import PeerSlowdownDetector
+from ft_launch.health.anomaly import PeerSlowdownDetector
 
 
 def feed(detector: PeerSlowdownDetector, own: dict[int, float], steps: int,

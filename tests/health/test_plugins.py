@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.errors import ExitCode
-from slurm_plugins.epilog import ended_badly
+from ft_launch.errors import ExitCode
+from ft_launch.slurm_plugins.epilog import ended_badly
 from tests.waiting import patience
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,7 +70,7 @@ def report(tmp_path, name):
 
 def test_prolog_passes_a_healthy_node_without_touching_slurm(lab):
     tmp_path, env = lab
-    done = run("slurm_plugins.prolog", env, SLURM_JOB_ID="41", SLURM_JOB_UID="1000")
+    done = run("ft_launch.slurm_plugins.prolog", env, SLURM_JOB_ID="41", SLURM_JOB_UID="1000")
     assert done.returncode == 0, done.stderr
     assert calls(tmp_path) == []
     assert report(tmp_path, "prolog-41.json")["status"] == "pass"
@@ -80,7 +80,7 @@ def test_prolog_drains_the_faulty_node_with_the_precise_reason(lab):
     tmp_path, env = lab
     inject(tmp_path, "n3", {"gpu": 3, "xid": 79})
     inject(tmp_path, "n4", {"gpu": 0, "lost": True})   # another node's fault is not ours
-    done = run("slurm_plugins.prolog", env, SLURM_JOB_ID="42")
+    done = run("ft_launch.slurm_plugins.prolog", env, SLURM_JOB_ID="42")
     assert done.returncode == ExitCode.NODE_UNHEALTHY, done.stderr
     assert calls(tmp_path) == [
         ["show", "node", "-o", "n3"],
@@ -91,7 +91,7 @@ def test_a_node_drained_already_keeps_its_reason(lab):
     tmp_path, env = lab
     (tmp_path / "node.txt").write_text("NodeName=n3 State=IDLE+DRAIN Reason=admin [root]\n")
     inject(tmp_path, "n3", {"gpu": 1, "ecc_uncorrected": 4})
-    done = run("slurm_plugins.healthcheck", env)
+    done = run("ft_launch.slurm_plugins.healthcheck", env)
     assert done.returncode == ExitCode.NODE_UNHEALTHY
     assert [c[0] for c in calls(tmp_path)] == ["show"]
 
@@ -99,7 +99,7 @@ def test_a_node_drained_already_keeps_its_reason(lab):
 def test_healthcheck_drains_a_node_whose_disk_is_full(lab):
     tmp_path, env = lab
     inject(tmp_path, "n3", {"disk_free_bytes": 0, "path": "/"})
-    done = run("slurm_plugins.healthcheck", env)
+    done = run("ft_launch.slurm_plugins.healthcheck", env)
     assert done.returncode == ExitCode.NODE_UNHEALTHY
     assert calls(tmp_path)[-1] == ["update", "nodename=n3", "state=drain",
                                    "reason=ft: disk / free 0B<1B"]
@@ -115,7 +115,7 @@ def test_healthcheck_drains_a_node_whose_disk_is_full(lab):
 def test_epilog_runs_the_deeper_profile_after_a_failed_job(lab, job_record, profile):
     tmp_path, env = lab
     (tmp_path / "job.txt").write_text(job_record + "\n")
-    done = run("slurm_plugins.epilog", env, SLURM_JOB_ID="43")
+    done = run("ft_launch.slurm_plugins.epilog", env, SLURM_JOB_ID="43")
     assert done.returncode == 0, done.stderr
     assert report(tmp_path, "epilog-43.json")["profile"] == profile
     assert calls(tmp_path) == [["show", "job", "-o", "43"]]
@@ -131,7 +131,7 @@ def test_a_broken_config_fails_open(lab, tmp_path):
     _, env = lab
     bad = tmp_path / "bad.toml"
     bad.write_text("[health]\ngpus = 8\n")
-    done = run("slurm_plugins.prolog", env, FTL_CONFIG=str(bad))
+    done = run("ft_launch.slurm_plugins.prolog", env, FTL_CONFIG=str(bad))
     assert done.returncode == 0
     assert "NOT checked" in done.stderr and "key 'health.gpus': unknown key" in done.stderr
 
@@ -139,7 +139,7 @@ def test_a_broken_config_fails_open(lab, tmp_path):
 def test_job_controlled_strings_never_reach_a_command(lab):
     tmp_path, env = lab
     inject(tmp_path, "n3", {"gpu": 2, "xid": 48})
-    done = run("slurm_plugins.prolog", env, SLURM_JOB_ID="44; touch /tmp/pwned",
+    done = run("ft_launch.slurm_plugins.prolog", env, SLURM_JOB_ID="44; touch /tmp/pwned",
                SLURM_JOB_USER="$(reboot)")
     assert done.returncode == ExitCode.NODE_UNHEALTHY
     flat = [arg for call in calls(tmp_path) for arg in call]
@@ -150,13 +150,13 @@ def test_gate_fails_only_its_step_and_runs_the_command_when_healthy(lab):
     tmp_path, env = lab
     marker = tmp_path / "ran"
     command = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w').write('ok')"]
-    done = run("slurm_plugins.gate", env, *command, SLURM_JOB_ID="45")
+    done = run("ft_launch.slurm_plugins.gate", env, *command, SLURM_JOB_ID="45")
     assert done.returncode == 0, done.stderr
     assert marker.read_text() == "ok"
     marker.unlink()
     inject(tmp_path, "n3", {"gpu": 6, "nvlink_down": [1]})
-    done = run("slurm_plugins.gate", env, "--report", str(tmp_path / "gate.json"), *command,
-               SLURM_JOB_ID="45")
+    done = run("ft_launch.slurm_plugins.gate", env, "--report", str(tmp_path / "gate.json"),
+               *command, SLURM_JOB_ID="45")
     assert done.returncode == ExitCode.NODE_UNHEALTHY
     assert "ft-gate: n3 unhealthy: gpu6 nvlink1 down" in done.stderr
     assert not marker.exists()
@@ -171,8 +171,10 @@ def test_gate_fails_only_its_step_and_runs_the_command_when_healthy(lab):
 HOOK_SHARE_OF_TORCH = 0.5
 
 
-@pytest.mark.parametrize("module", ["slurm_plugins.prolog", "slurm_plugins.epilog",
-                                    "slurm_plugins.healthcheck", "slurm_plugins.gate"])
+@pytest.mark.parametrize("module", ["ft_launch.slurm_plugins.prolog",
+                                    "ft_launch.slurm_plugins.epilog",
+                                    "ft_launch.slurm_plugins.healthcheck",
+                                    "ft_launch.slurm_plugins.gate"])
 def test_hooks_start_fast_and_never_import_torch(lab, module):
     # slurmd runs these on every job and node: they must not pay for torch (seconds,
     # GiBs of pages). Timed against importing torch right after, in the same

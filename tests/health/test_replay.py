@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.errors import UsageError
-from ftcore.slurm.client import SlurmCli
-from health.replay import ReplayStatus, feasible_ks, locate, plan_replay_grid
-from health.replay_job import reference_digest, workload_digest
-from health.replay_runner import LocalGroupLauncher, SrunGroupLauncher, run_replay
+from ft_launch.errors import UsageError
+from ft_launch.health.replay import ReplayStatus, feasible_ks, locate, plan_replay_grid
+from ft_launch.health.replay_job import reference_digest, workload_digest
+from ft_launch.health.replay_runner import LocalGroupLauncher, SrunGroupLauncher, run_replay
+from ft_launch.slurm.client import SlurmCli
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = [f"n{i:02d}" for i in range(16)]
@@ -63,7 +63,7 @@ def test_local_replay_finds_the_node_injected_with_silent_corruption(tmp_path):
     config = tmp_path / "health.toml"
     config.write_text(f'[health]\nbackend = "simulated"\nsim_fault_dir = "{tmp_path}"\n')
     launcher = LocalGroupLauncher(
-        [sys.executable, "-m", "health.replay_job", "--expect", reference_digest()],
+        [sys.executable, "-m", "ft_launch.health.replay_job", "--expect", reference_digest()],
         env={**os.environ, "FTL_CONFIG": str(config), "PYTHONPATH": str(REPO)})
     grid = plan_replay_grid(NODES[:8], pp=2, dp=4, k=1)
     verdict, outcomes = run_replay(grid, launcher)
@@ -81,7 +81,8 @@ def test_srun_launcher_runs_one_step_per_group(tmp_path):
     log = tmp_path / "log"
     slurm = SlurmCli(env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
                           "LOG": str(log)})
-    launcher = SrunGroupLauncher(slurm, ["python", "-m", "health.replay_job", "--expect", "x"],
+    launcher = SrunGroupLauncher(slurm,
+                                 ["python", "-m", "ft_launch.health.replay_job", "--expect", "x"],
                                  job_id="77", timeout=30)
     grid = plan_replay_grid(NODES[:4], pp=1, dp=4, k=2)      # 2 x 2
     verdict, _ = run_replay(grid, launcher)

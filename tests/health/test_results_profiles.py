@@ -2,10 +2,10 @@
 
 import pytest
 
-from health.context import CheckContext
-from health.drain import drain_node, drain_reason
-from health.profile import BoundCheck, Profile, ProfileReport, run_profile
-from health.result import (
+from ft_launch.health.context import CheckContext
+from ft_launch.health.drain import drain_node, drain_reason
+from ft_launch.health.profile import BoundCheck, Profile, ProfileReport, run_profile
+from ft_launch.health.result import (
     CheckResult,
     CheckStatus,
     failed,
@@ -89,8 +89,8 @@ class FakeSlurm:
         self.drained = drained
 
     def nodes(self, names):
-        from ftcore.slurm.parse import NodeInfo
-        from ftcore.slurm.states import NodeState
+        from ft_launch.slurm.parse import NodeInfo
+        from ft_launch.slurm.states import NodeState
         flags = frozenset({"DRAIN"}) if self.drained else frozenset()
         return [NodeInfo(names[0], NodeState.parse("IDLE"), flags, "admin note", "")]
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config import Config, HealthConfig
-from ftcore.errors import ConfigError
-from health.catalog import CATALOG
-from health.gpu_facts import NoGpuBackend
-from health.profile import run_profile
-from health.result import CheckStatus
-from health.settings import (
+from ft_launch.config import Config, HealthConfig
+from ft_launch.errors import ConfigError
+from ft_launch.health.catalog import CATALOG
+from ft_launch.health.gpu_facts import NoGpuBackend
+from ft_launch.health.profile import run_profile
+from ft_launch.health.result import CheckStatus
+from ft_launch.health.settings import (
     DEFAULT_PATH,
     ENV_CONFIG,
     HealthSettings,
@@ -20,7 +20,7 @@ from health.settings import (
     parse_settings,
     settings_from,
 )
-from health.simulation import SimulatedNvml, load_faults
+from ft_launch.health.simulation import SimulatedNvml, load_faults
 
 ETC = Path(__file__).resolve().parents[2] / "etc" / "health"
 SLURM_CONF_KEYS = {"Prolog", "Epilog", "PrologFlags", "HealthCheckProgram",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from health.aggregation import (
+from ft_launch.health.aggregation import (
     FailSlowVote,
     GroupKey,
     RankPlace,
@@ -19,8 +19,8 @@ from health.aggregation import (
     hang_suspects,
     signature,
 )
-from health.stacks import Frame, ProcessStack, ThreadStack, parse_pyspy_json
-from health.tracer import fail_slow_eviction, hang_eviction
+from ft_launch.health.stacks import Frame, ProcessStack, ThreadStack, parse_pyspy_json
+from ft_launch.health.tracer import fail_slow_eviction, hang_eviction
 
 WORKER = Path(__file__).with_name("stack_worker.py")
 SITE = "/usr/lib/python3.11/site-packages/zmq/sugar/socket.py"
@@ -85,7 +85,7 @@ def test_scattered_outliers_pick_the_group_with_most():
 
 def sample(top, outliers):
     """An aggregation whose healthy group has ``top`` ranks of 6, plus its decision."""
-    from health.aggregation import Aggregation, StackGroup
+    from ft_launch.health.aggregation import Aggregation, StackGroup
     rest = 6 - top
     found = Aggregation((StackGroup("wait", tuple(range(top))), StackGroup("x", (9,) * rest)),
                         tuple(outliers))
@@ -126,7 +126,7 @@ def test_tracer_on_real_processes_finds_the_hung_pipeline(stack_workers):
     rounds = []
 
     def counting_capture(pids):
-        from health.stacks import capture_all
+        from ft_launch.health.stacks import capture_all
         rounds.append(1)
         return capture_all(pids)
     winner = fail_slow_eviction({rank: p.pid for rank, p in enumerate(procs)}, topology(),
@@ -173,13 +173,13 @@ def test_ranks_all_alike_make_every_rank_of_the_replica_suspect():
 
 
 def test_a_layout_without_tensor_or_pipeline_groups_has_only_node_and_replica_groups():
-    from health.aggregation import parallel_groups
+    from ft_launch.health.aggregation import parallel_groups
     kinds = {key.kind for key in parallel_groups(replica_of_nodes("a", "b"))}
     assert kinds == {"node", "replica"}
 
 
 def test_ft_launch_frames_count_as_ours_even_when_installed_in_site_packages(monkeypatch):
-    from health import aggregation
+    from ft_launch.health import aggregation
     site = "/usr/lib/python3.11/site-packages/"
     monkeypatch.setattr(aggregation, "OWN_PREFIXES", (site + "launcher/",))
     assert not aggregation.is_library(site + "launcher/worker/faults.py")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from launcher.quorum.core import decide, initial_state
-from launcher.quorum.model import (
+from ft_launch.launcher.quorum.core import decide, initial_state
+from ft_launch.launcher.quorum.model import (
     Health,
     JoinRequested,
     Quorum,
@@ -14,7 +14,7 @@ from launcher.quorum.model import (
     Role,
     evolve,
 )
-from launcher.quorum.state import (
+from ft_launch.launcher.quorum.state import (
     Action,
     Input,
     Leadership,

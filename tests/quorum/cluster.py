@@ -15,10 +15,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ftcore.config import QuorumConfig
-from ftcore.ids import new_job_secret
-from launcher.quorum import FileDirectory, Quorum, QuorumAgent, QuorumStatus
-from launcher.quorum.witness_service import MemoryFile
+from ft_launch.config import QuorumConfig
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.quorum import FileDirectory, Quorum, QuorumAgent, QuorumStatus
+from ft_launch.launcher.quorum.witness_service import MemoryFile
 from tests.waiting import patience, wait_until
 
 from .helpers import FAST_CONFIG, round_timeout

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.quorum import core, election, formation, model, witness
+from ft_launch.launcher.quorum import core, election, formation, model, witness
 
 from .cluster import Cluster, MakeCluster
 

@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.quorum.core import decide, initial_state, next_deadline
-from launcher.quorum.model import Health, QuorumParams, Role
-from launcher.quorum.state import (
+from ft_launch.launcher.quorum.core import decide, initial_state, next_deadline
+from ft_launch.launcher.quorum.model import Health, QuorumParams, Role
+from ft_launch.launcher.quorum.state import (
     Action,
     DeliverQuorum,
     FailQuorumRequest,
@@ -26,7 +26,7 @@ from launcher.quorum.state import (
     Send,
     TimerFired,
 )
-from launcher.quorum.witness import memory_of, restore
+from ft_launch.launcher.quorum.witness import memory_of, restore
 
 FAST = QuorumParams(min_replicas=1, join_timeout=0.5, heartbeat_interval=0.05,
                     election_timeout=0.3, election_spread=0.3, member_timeout=0.6,

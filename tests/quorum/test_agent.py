@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ftcore.config import QuorumConfig
-from ftcore.errors import ConfigError
-from ftcore.events import EventLog, read_events
-from ftcore.ids import new_job_secret
-from launcher.quorum import (
+from ft_launch.config import QuorumConfig
+from ft_launch.errors import ConfigError
+from ft_launch.events import EventLog, read_events
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.quorum import (
     AgentLoop,
     LeaderElected,
     QuorumAgent,
@@ -197,8 +197,8 @@ def test_a_failing_node_does_not_stop_its_loop() -> None:
 def test_the_replay_window_comes_from_the_config() -> None:
     import time
 
-    from launcher.quorum.model import HeartbeatAcked
-    from launcher.quorum.wire import Codec
+    from ft_launch.launcher.quorum.model import HeartbeatAcked
+    from ft_launch.launcher.quorum.wire import Codec
     secret = new_job_secret()
     config = QuorumConfig(heartbeat_interval=0.05, election_timeout=0.4, member_timeout=1.2,
                           join_timeout=0.6, max_message_age=5.0)

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from launcher.quorum import core, election, formation
-from launcher.quorum.model import (
+from ft_launch.launcher.quorum import core, election, formation
+from ft_launch.launcher.quorum.model import (
     Health,
     HeartbeatAcked,
     JoinRequested,
@@ -18,7 +18,7 @@ from launcher.quorum.model import (
     Role,
     evolve,
 )
-from launcher.quorum.state import (
+from ft_launch.launcher.quorum.state import (
     NEVER,
     Action,
     MessageReceived,

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from ftcore.ids import new_job_secret
-from launcher.quorum.delta import answers, compact, expand
-from launcher.quorum.model import (
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.quorum.delta import answers, compact, expand
+from ft_launch.launcher.quorum.model import (
     Health,
     JoinRequested,
     Quorum,
@@ -17,8 +17,13 @@ from launcher.quorum.model import (
     QuorumMember,
     evolve,
 )
-from launcher.quorum.state import DeliverQuorum, Membership, MessageReceived, QuorumRequested
-from launcher.quorum.wire import BROADCAST, Codec, Rejected
+from ft_launch.launcher.quorum.state import (
+    DeliverQuorum,
+    Membership,
+    MessageReceived,
+    QuorumRequested,
+)
+from ft_launch.launcher.quorum.wire import BROADCAST, Codec, Rejected
 
 from .builders import NOW, PREVIOUS_ID, TERM, address, follower, leader, run, sent
 from .sim import Sim
@@ -176,8 +181,8 @@ def test_after_a_failure_survivors_get_a_difference_and_agree_with_the_leader() 
 
 
 def test_a_join_leaves_out_the_address_the_leader_has_and_a_resend_carries_it() -> None:
-    from launcher.quorum.core import decide
-    from launcher.quorum.state import TimerFired
+    from ft_launch.launcher.quorum.core import decide
+    from ft_launch.launcher.quorum.state import TimerFired
     mine = Quorum.of(PREVIOUS_ID, tuple(QuorumMember(m, 10, address(m)) for m in FIVE),
                      term=TERM, leader_id=0)
     state = evolve(follower(), member=Membership(join_seq=4, last_quorum=mine))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ftcore.ids import new_job_secret
-from launcher.quorum.directory import FileDirectory, PeerRecord, StaticDirectory
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.quorum.directory import FileDirectory, PeerRecord, StaticDirectory
 
 SECRET = new_job_secret()
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from launcher.quorum.core import initial_state, next_deadline
-from launcher.quorum.election import unit_draw
-from launcher.quorum.model import (
+from ft_launch.launcher.quorum.core import initial_state, next_deadline
+from ft_launch.launcher.quorum.election import unit_draw
+from ft_launch.launcher.quorum.model import (
     Health,
     Heartbeat,
     HeartbeatAcked,
@@ -22,7 +22,7 @@ from launcher.quorum.model import (
     VoteRequested,
     evolve,
 )
-from launcher.quorum.state import (
+from ft_launch.launcher.quorum.state import (
     FailQuorumRequest,
     LeadershipTransferRequested,
     MessageReceived,
@@ -35,7 +35,7 @@ from launcher.quorum.state import (
     QuorumState,
     Send,
 )
-from launcher.quorum.witness import memory_of, restore
+from ft_launch.launcher.quorum.witness import memory_of, restore
 
 from .builders import NOW, PARAMS, TERM, address, follower, leader, run, sent, tick
 
@@ -320,7 +320,7 @@ def test_a_follower_draws_its_timeout_once_per_leader_not_per_contact() -> None:
 
 
 def test_spread_grows_with_the_replica_count_by_the_configured_slot() -> None:
-    from ftcore.config import QuorumConfig
+    from ft_launch.config import QuorumConfig
     small = QuorumParams.from_config(QuorumConfig(), 5)
     large = QuorumParams.from_config(QuorumConfig(), 1000)
     assert small.election_spread == QuorumConfig().election_timeout
@@ -330,7 +330,7 @@ def test_spread_grows_with_the_replica_count_by_the_configured_slot() -> None:
 
 
 def test_members_sent_an_announcement_get_no_heartbeat_until_suspects_change() -> None:
-    from launcher.quorum.model import QuorumAnnounced, QuorumDeltaAnnounced
+    from ft_launch.launcher.quorum.model import QuorumAnnounced, QuorumDeltaAnnounced
     state = leader(live=range(5), previous=range(5))
     state, first = tick(state, NOW + PARAMS.heartbeat_interval)
     [beat] = sent(first, Heartbeat)

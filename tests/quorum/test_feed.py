@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from ftcore.ids import new_job_secret
-from launcher.quorum import AgentLoop, QuorumAgent, StaticDirectory
-from launcher.quorum.loop import split_batch
-from launcher.quorum.model import Heartbeat
-from launcher.quorum.wire import Codec, Rejected, Rejection
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.quorum import AgentLoop, QuorumAgent, StaticDirectory
+from ft_launch.launcher.quorum.loop import split_batch
+from ft_launch.launcher.quorum.model import Heartbeat
+from ft_launch.launcher.quorum.wire import Codec, Rejected, Rejection
 from tests.waiting import wait_until
 
 from .helpers import FAST_CONFIG, round_timeout

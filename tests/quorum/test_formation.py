@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from launcher.quorum.delta import answers, expand
-from launcher.quorum.model import (
+from ft_launch.launcher.quorum.delta import answers, expand
+from ft_launch.launcher.quorum.model import (
     Health,
     HeartbeatAcked,
     QuorumAnnounced,
     QuorumDeltaAnnounced,
     evolve,
 )
-from launcher.quorum.state import (
+from ft_launch.launcher.quorum.state import (
     DeliverQuorum,
     MessageReceived,
     MessagesReceived,
@@ -211,7 +211,7 @@ def test_a_new_leader_continues_the_quorum_id_it_learns_from_members() -> None:
 
 
 def test_a_later_leader_creates_ids_no_earlier_leader_can_have_used() -> None:
-    from launcher.quorum.formation import QUORUM_ID_STRIDE
+    from ft_launch.launcher.quorum.formation import QUORUM_ID_STRIDE
     state = leader(live=ALL[:4], previous=ALL)  # 4 is silent: a membership change
     state = evolve(state, election=evolve(state.election, term=4))
     joins = [QuorumRequested(10, address(0))] + [join(m, term=4) for m in ALL[1:4]]
@@ -226,7 +226,7 @@ def test_a_later_leader_creates_ids_no_earlier_leader_can_have_used() -> None:
 
 
 def test_commit_failure_reported_while_waiting_amends_the_bid() -> None:
-    from launcher.quorum.state import CommitFailureReported
+    from ft_launch.launcher.quorum.state import CommitFailureReported
     state = follower()
     state, actions = run(state, [QuorumRequested(10, address(1))])
     [first] = [a.message for a in actions]
@@ -236,7 +236,7 @@ def test_commit_failure_reported_while_waiting_amends_the_bid() -> None:
 
 
 def test_a_batch_of_joins_forms_what_one_join_at_a_time_forms() -> None:
-    from launcher.quorum.state import MessagesReceived
+    from ft_launch.launcher.quorum.state import MessagesReceived
     state = leader(live=ALL, previous=ALL)
     own = QuorumRequested(10, address(0))
     _, one_by_one = run(state, [own] + [join(m) for m in ALL[1:]])

@@ -14,12 +14,11 @@ import psutil
 import pytest
 import zmq
 
-from ftcore.errors import FatalError
-from ftcore.ids import new_job_secret
-from ftcore.logs import SAMPLE_EVERY
-from launcher.quorum import AgentLoop, QuorumAgent, StaticDirectory
-from launcher.quorum.directory import FileDirectory
-from launcher.quorum.model import (
+from ft_launch.errors import FatalError
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.quorum import AgentLoop, QuorumAgent, StaticDirectory
+from ft_launch.launcher.quorum.directory import FileDirectory
+from ft_launch.launcher.quorum.model import (
     Health,
     Heartbeat,
     JoinRequested,
@@ -28,8 +27,9 @@ from launcher.quorum.model import (
     QuorumDeltaAnnounced,
     QuorumMember,
 )
-from launcher.quorum.wire import MAX_ADDRESS_BYTES, Codec, max_message_bytes
-from launcher.worker.protocol import ReplicaEndpoints
+from ft_launch.launcher.quorum.wire import MAX_ADDRESS_BYTES, Codec, max_message_bytes
+from ft_launch.launcher.worker.protocol import ReplicaEndpoints
+from ft_launch.logs import SAMPLE_EVERY
 from tests.waiting import wait_until
 from tests.zmtp import RawPeer
 
@@ -84,7 +84,7 @@ def test_junk_is_counted_exactly_and_logged_sampled(
         caplog: pytest.LogCaptureFixture) -> None:
     agents, directory = trio
     junk = 1500
-    caplog.set_level(logging.WARNING, logger="launcher.quorum.node")
+    caplog.set_level(logging.WARNING, logger="ft_launch.launcher.quorum.node")
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(router_of(directory, 1))
@@ -96,7 +96,7 @@ def test_junk_is_counted_exactly_and_logged_sampled(
     finally:
         dealer.close(0)
     assert agents[1].stats()["rejected_bad_signature"] == junk
-    lines = [r for r in caplog.records if r.name == "launcher.quorum.node"
+    lines = [r for r in caplog.records if r.name == "ft_launch.launcher.quorum.node"
              and "dropped a quorum message" in r.getMessage()]
     assert len(lines) == 1 + junk // SAMPLE_EVERY
 
@@ -115,7 +115,7 @@ def test_a_peer_record_nested_too_deep_is_ignored_without_a_traceback(
     directory.file_for(1).write_text("[" * 100_000)
     directory.file_for(2).write_text('{"replica_id": "\u00b2", "address": "x", '
                                      '"incarnation": ' + "9" * 5000 + "}")
-    caplog.set_level(logging.WARNING, logger="launcher.quorum.directory")
+    caplog.set_level(logging.WARNING, logger="ft_launch.launcher.quorum.directory")
     assert directory.lookup(1) is None and directory.lookup(2) is None
     assert len(caplog.records) == 2 and not any(r.exc_info for r in caplog.records)
 
@@ -162,7 +162,7 @@ def test_a_step_that_keeps_failing_logs_its_traceback_sampled(
         caplog: pytest.LogCaptureFixture) -> None:
     """Input that trips a bug again and again must not flood the log."""
     loop = AgentLoop("hostile-test")
-    caplog.set_level(logging.ERROR, logger="launcher.quorum.loop")
+    caplog.set_level(logging.ERROR, logger="ft_launch.launcher.quorum.loop")
 
     def broken(now: float) -> bool:
         raise RuntimeError("a bug the input trips")

@@ -12,9 +12,9 @@ import time
 import pytest
 import zmq
 
-from ftcore.ids import new_job_secret
-from launcher.quorum.model import HeartbeatAcked, VoteRequested
-from launcher.quorum.wire import Codec
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.quorum.model import HeartbeatAcked, VoteRequested
+from ft_launch.launcher.quorum.wire import Codec
 from tests.waiting import wait_until
 
 from .cluster import CALL_TIMEOUT, JOB, MakeCluster

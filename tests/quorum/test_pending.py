@@ -8,7 +8,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 
-from launcher.quorum import PendingQuorum, Quorum, QuorumMember, QuorumStoppedError
+from ft_launch.launcher.quorum import PendingQuorum, Quorum, QuorumMember, QuorumStoppedError
 
 pytestmark = pytest.mark.timeout(60)
 

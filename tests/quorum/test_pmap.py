@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from launcher.quorum.pmap import PMap, with_item
+from ft_launch.launcher.quorum.pmap import PMap, with_item
 
 
 def test_behaves_like_a_dict_and_never_changes_old_versions() -> None:

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config import QuorumConfig
-from ftcore.errors import UsageError
-from ftcore.ids import new_job_secret
-from launcher.events import ControllerWitnessChosen
-from launcher.quorum import FileDirectory, QuorumAgent
-from launcher.quorum.errors import MajorityLostError, QuorumTimeoutError
-from launcher.quorum.model import WITNESS_BASE
-from launcher.quorum.reach import (
+from ft_launch.config import QuorumConfig
+from ft_launch.errors import UsageError
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.events import ControllerWitnessChosen
+from ft_launch.launcher.quorum import FileDirectory, QuorumAgent
+from ft_launch.launcher.quorum.errors import MajorityLostError, QuorumTimeoutError
+from ft_launch.launcher.quorum.model import WITNESS_BASE
+from ft_launch.launcher.quorum.reach import (
     Route,
     choose_address,
     is_loopback,
@@ -29,13 +29,13 @@ from launcher.quorum.reach import (
     route_to,
     spread,
 )
-from launcher.quorum.witness_service import (
+from ft_launch.launcher.quorum.witness_service import (
     WitnessJob,
     controller_witness,
     run_witnesses,
     serve,
 )
-from launcher.reporting.status import StandbyPool, run_status, status_text
+from ft_launch.launcher.reporting.status import StandbyPool, run_status, status_text
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)

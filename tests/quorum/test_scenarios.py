@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from launcher.quorum import core, election, formation, model
-from launcher.quorum.model import Health, JoinFailure, Quorum, Role, VoteRequested
-from launcher.quorum.state import NotifyQuorumFormed, QuorumRequested, QuorumState, Send
+from ft_launch.launcher.quorum import core, election, formation, model
+from ft_launch.launcher.quorum.model import Health, JoinFailure, Quorum, Role, VoteRequested
+from ft_launch.launcher.quorum.state import NotifyQuorumFormed, QuorumRequested, QuorumState, Send
 
 from .sim import FAST, Sim
 

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from launcher.quorum import standing
-from launcher.quorum.model import (
+from ft_launch.launcher.quorum import standing
+from ft_launch.launcher.quorum.model import (
     Health,
     Heartbeat,
     JoinRequested,
@@ -19,7 +19,7 @@ from launcher.quorum.model import (
     VoteRequested,
     evolve,
 )
-from launcher.quorum.state import (
+from ft_launch.launcher.quorum.state import (
     CommitFailureReported,
     DeliverQuorum,
     Membership,

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from ftcore.ids import new_job_secret
-from launcher.quorum.model import (
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.quorum.model import (
     Health,
     Heartbeat,
     HeartbeatAcked,
@@ -22,8 +22,8 @@ from launcher.quorum.model import (
     VoteAnswered,
     VoteRequested,
 )
-from launcher.quorum.payload import Kind, decode_payload
-from launcher.quorum.wire import BROADCAST, Codec, Rejected, Rejection, ReplayGuard
+from ft_launch.launcher.quorum.payload import Kind, decode_payload
+from ft_launch.launcher.quorum.wire import BROADCAST, Codec, Rejected, Rejection, ReplayGuard
 
 SECRET = new_job_secret()
 JOB = "job-42"
@@ -126,8 +126,8 @@ def test_broadcast_is_verified_once_per_codec() -> None:
 
 
 def test_the_mac_is_ftcore_sign_over_the_domain_the_job_and_the_data() -> None:
-    from ftcore.ids import sign
-    from launcher.quorum.wire import DOMAIN
+    from ft_launch.ids import sign
+    from ft_launch.launcher.quorum.wire import DOMAIN
     data, mac = seal(VoteRequested(3))
     assert mac == sign(SECRET, DOMAIN, JOB.encode(), data)
 

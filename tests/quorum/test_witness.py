@@ -3,8 +3,8 @@ a majority of the replicas trains when the witnesses endorse it, and never two."
 
 from __future__ import annotations
 
-from launcher.quorum.model import EndorseRequested, Quorum, voter_weights, witness_ids
-from launcher.quorum.state import NotifyQuorumFormed, Send
+from ft_launch.launcher.quorum.model import EndorseRequested, Quorum, voter_weights, witness_ids
+from ft_launch.launcher.quorum.state import NotifyQuorumFormed, Send
 
 from .sim import Sim
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.quorum import Quorum
-from launcher.quorum.model import witness_ids
-from launcher.quorum.witness import Memory, memory_of, restore
-from launcher.quorum.witness_service import MemoryFile
+from ft_launch.launcher.quorum import Quorum
+from ft_launch.launcher.quorum.model import witness_ids
+from ft_launch.launcher.quorum.witness import Memory, memory_of, restore
+from ft_launch.launcher.quorum.witness_service import MemoryFile
 from tests.waiting import wait_until
 
 from .cluster import JOB as JOB_OF_CLUSTER

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import ckpt.restore  # noqa: F401  (registers CheckpointRestored: job.committed reads it)
-from launcher.quorum.witness_service import WitnessJob
-from launcher.worker.local import LocalJob
+import ft_launch.ckpt.restore  # noqa: F401  (registers CheckpointRestored: job.committed reads it)
+from ft_launch.launcher.quorum.witness_service import WitnessJob
+from ft_launch.launcher.worker.local import LocalJob
 from tests.waiting import patience, wait_until
 from tests.worker.harness import check_run, loopback_job, max_gap, stall_bound
 
@@ -32,7 +32,7 @@ def start_witness(job: LocalJob, index: int) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTL_")}
     env.update(job.config_env)
     log = (job.run_dir / f"witness-{index}.log").open("ab")
-    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "witness", "--run-dir",
+    return subprocess.Popen([sys.executable, "-m", "ft_launch.launcher.cli", "witness", "--run-dir",
                              str(job.run_dir), "--index", str(index)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 

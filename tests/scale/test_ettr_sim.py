@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from launcher.reporting.ettr import (
+from ft_launch.launcher.reporting.ettr import (
     JobModel,
     RecoveryParts,
     Strategy,

@@ -31,7 +31,7 @@ def submitted(cluster, tmp_path: Path, *, replicas: int, standby: int, steps: in
     env = {**labcluster.client_env(), **FAST_DETECTION, "FTL_RUN_LOG_DIR": str(runs),
            **settings}
     done = subprocess.run(
-        [*labcluster.ctl_prefix(), sys.executable, "-m", "launcher.cli", "submit",
+        [*labcluster.ctl_prefix(), sys.executable, "-m", "ft_launch.launcher.cli", "submit",
          "--replicas", str(replicas), "--standby", str(standby), "--job-name", "ftl-login",
          "--", *train_command(steps, pace_s=0)],
         check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftcore.errors import SlurmCommandError
-from ftcore.slurm.states import NodeState
+from ft_launch.errors import SlurmCommandError
+from ft_launch.slurm.states import NodeState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
 

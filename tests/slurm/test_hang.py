@@ -20,10 +20,10 @@ import sys
 
 import pytest
 
-from launcher.diagnosis import HangDiagnosisReported
-from launcher.events import ActionTaken, NodeFaultDetected
-from launcher.reporting.runlog import commits
-from launcher.worker.audit import check_exactly_once
+from ft_launch.launcher.diagnosis import HangDiagnosisReported
+from ft_launch.launcher.events import ActionTaken, NodeFaultDetected
+from ft_launch.launcher.reporting.runlog import commits
+from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.slurm.test_run import FAST_DETECTION, REPO, whole_cluster_job
 from tests.waiting import wait_until
 
@@ -91,7 +91,7 @@ def test_a_deadlocked_rank_is_found_in_its_stacks_and_only_its_node_drained(
     assert "injected_deadlock" in rows[1]["where"]
 
     # ft-launch status shows it
-    status = subprocess.run([sys.executable, "-m", "launcher.cli", "status",
+    status = subprocess.run([sys.executable, "-m", "ft_launch.launcher.cli", "status",
                              str(run.run_dir)], cwd=REPO, capture_output=True, text=True,
                             timeout=60, check=True).stdout
     assert "hang diagnoses:" in status and reported.report in status

@@ -19,10 +19,10 @@ import time
 
 import pytest
 
-from launcher import events as controller_events
-from launcher.quorum.events import MajorityLost
-from launcher.reporting.runlog import commits
-from launcher.worker.events import WorkerStarted
+from ft_launch.launcher import events as controller_events
+from ft_launch.launcher.quorum.events import MajorityLost
+from ft_launch.launcher.reporting.runlog import commits
+from ft_launch.launcher.worker.events import WorkerStarted
 from tests.cluster import labcluster
 from tests.slurm.login import submitted, wait_controller
 from tests.waiting import wait_until

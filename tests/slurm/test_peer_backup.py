@@ -29,12 +29,12 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.held import HeldFiles
-from ckpt.persist import PersistentStore
-from ckpt.restore import TierKind
-from launcher.reporting.runlog import commits
-from launcher.worker import events as worker_events
-from launcher.worker.audit import check_exactly_once
+from ft_launch.ckpt.held import HeldFiles
+from ft_launch.ckpt.persist import PersistentStore
+from ft_launch.ckpt.restore import TierKind
+from ft_launch.launcher.reporting.runlog import commits
+from ft_launch.launcher.worker import events as worker_events
+from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.cluster import labcluster
 from tests.slurm.test_run import Training, crash, training  # noqa: F401 (fixture)
 from tests.waiting import wait_until

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.slurm.client import SlurmCli
-from health.drain_request import job_comment, write_request
-from health.replay import ReplayStatus, plan_replay_grid
-from health.replay_job import reference_digest
-from health.replay_runner import SrunGroupLauncher, run_replay
+from ft_launch.health.drain_request import job_comment, write_request
+from ft_launch.health.replay import ReplayStatus, plan_replay_grid
+from ft_launch.health.replay_job import reference_digest
+from ft_launch.health.replay_runner import SrunGroupLauncher, run_replay
+from ft_launch.slurm.client import SlurmCli
 from tests.cluster import labcluster
 from tests.waiting import wait_until
 
@@ -74,7 +74,7 @@ def health(slurm_cluster, tmp_path):
             f"export FTL_CONFIG={shlex.quote(str(config))}",
             f"export SLURM_CONF={shlex.quote(str(labcluster.state_dir() / 'slurm.conf'))}",
             f"export PYTHONPATH={shlex.quote(str(REPO))}",
-            f"exec {shlex.quote(sys.executable)} -m slurm_plugins.{hook}", ""]))
+            f"exec {shlex.quote(sys.executable)} -m ft_launch.slurm_plugins.{hook}", ""]))
         path.chmod(0o755)
         return str(path)
 
@@ -164,7 +164,7 @@ def test_gate_fails_only_the_step_on_the_faulty_node(slurm_cluster, health):
             return subprocess.run(
                 [*labcluster.ctl_prefix(), "srun", f"--jobid={job_id}", "--nodes=1",
                  f"--nodelist={node}", "--ntasks=1", "--exact", sys.executable, "-m",
-                 "slurm_plugins.gate", "--", "true"],
+                 "ft_launch.slurm_plugins.gate", "--", "true"],
                 check=False, capture_output=True, text=True, timeout=120, env=health.env)
         bad, good = gate_step("n5"), gate_step("n6")
         assert bad.returncode == NODE_UNHEALTHY, bad.stderr
@@ -181,7 +181,7 @@ def test_dual_phase_replay_finds_the_corrupting_node(slurm_cluster, health):
     job_id = allocate(nodes)
     try:
         slurm = SlurmCli(env=health.env, prefix=labcluster.ctl_prefix())
-        launcher = SrunGroupLauncher(slurm, [sys.executable, "-m", "health.replay_job",
+        launcher = SrunGroupLauncher(slurm, [sys.executable, "-m", "ft_launch.health.replay_job",
                                              "--expect", reference_digest()],
                                      job_id=job_id, timeout=120)
         grid = plan_replay_grid(nodes, pp=1, dp=4, k=2)          # 2 rows x 2 columns

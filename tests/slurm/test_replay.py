@@ -27,15 +27,15 @@ import time
 
 import pytest
 
-from ftcore.events import NodeDrained
-from launcher.events import (
+from ft_launch.events import NodeDrained
+from ft_launch.launcher.events import (
     NodeFaultDetected,
     ReplicaLaunched,
     SdcReplayOrdered,
     SdcReplayReported,
 )
-from launcher.worker import events as worker_events
-from launcher.worker.audit import check_exactly_once
+from ft_launch.launcher.worker import events as worker_events
+from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.slurm.test_run import FAST_DETECTION, REPO, simulated_gpus, whole_cluster_job
 
 __all__ = ["simulated_gpus"]    # a fixture of this module's tests too
@@ -135,7 +135,7 @@ def test_the_node_that_corrupts_gradients_is_found_by_replay_and_alone_drained(
     # the report, and ft-launch status shows the verdict
     report = json.loads((run.run_dir / "replay" / "replica-1-1" / "report.json").read_text())
     assert report["grid"] == [[healthy_peer, standbys[0]], [bad, standbys[1]]]
-    status = subprocess.run([sys.executable, "-m", "launcher.cli", "status",
+    status = subprocess.run([sys.executable, "-m", "ft_launch.launcher.cli", "status",
                              str(run.run_dir)], cwd=REPO, capture_output=True, text=True,
                             timeout=60, check=True).stdout
     assert "sdc replays:" in status and reported.report in status

@@ -42,15 +42,15 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.persist import step_dir_name
-from ftcore.files import atomic_write_text
-from launcher import events as controller_events
-from launcher import versions
-from launcher.events import EventTail
-from launcher.reporting.runlog import commits, controller_log
-from launcher.standby import ready_file
-from launcher.worker import events as worker_events
-from launcher.worker.audit import check_exactly_once
+from ft_launch.ckpt.persist import step_dir_name
+from ft_launch.files import atomic_write_text
+from ft_launch.launcher import events as controller_events
+from ft_launch.launcher import versions
+from ft_launch.launcher.events import EventTail
+from ft_launch.launcher.reporting.runlog import commits, controller_log
+from ft_launch.launcher.standby import ready_file
+from ft_launch.launcher.worker import events as worker_events
+from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.cluster import labcluster
 from tests.waiting import wait_until
 from tests.worker.harness import commit_gaps, max_gap, stall_bound
@@ -275,7 +275,7 @@ def test_killed_replica_node_is_replaced_by_the_warm_standby(training, slurm_clu
     (promoted,) = run.wait_promoted(1)
     assert promoted.replica_id == victim_replica and promoted.node != victim
     (info,) = slurm_cluster.slurm.nodes((victim,))
-    assert info.drained and info.reason.startswith("ft: ")   # health.drain's one format
+    assert info.drained and info.reason.startswith("ft: ")   # ft_launch.health.drain's one format
     # found by the survivors' quorum (quorum.member_timeout), not recovery.lost_timeout
     (fault,) = run.events(controller_events.NodeFaultDetected)
     assert fault.node == victim and f"lost replica {victim_replica}" in fault.reason, fault
@@ -455,8 +455,9 @@ def test_losing_every_replica_restarts_them_in_the_allocation_from_the_checkpoin
 
 
 def update(run: Training, *train_args: str, note: str) -> None:
-    subprocess.run([sys.executable, "-m", "launcher.cli", "update", "--run-dir", str(run.run_dir),
-                    "--urgent", "--note", note, "--", *train_command(run.steps, *train_args)],
+    subprocess.run([sys.executable, "-m", "ft_launch.launcher.cli", "update",
+                    "--run-dir", str(run.run_dir), "--urgent", "--note", note, "--",
+                    *train_command(run.steps, *train_args)],
                    cwd=REPO, check=True, timeout=60, capture_output=True)
 
 
@@ -561,7 +562,7 @@ def test_submit_from_a_login_node_survives_the_loss_of_any_compute_node(slurm_cl
     env = {**labcluster.client_env(), **FAST_DETECTION, "FTL_RUN_LOG_DIR": str(runs)}
     steps = 250
     submitted = subprocess.run(
-        [*labcluster.ctl_prefix(), sys.executable, "-m", "launcher.cli", "submit",
+        [*labcluster.ctl_prefix(), sys.executable, "-m", "ft_launch.launcher.cli", "submit",
          "--replicas", "3", "--standby", "1", "--job-name", "ftl-login", "--",
          *train_command(steps)],
         check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.restore import TierKind
-from launcher import events as controller_events
-from launcher.reporting.runlog import commits
-from launcher.worker import events as worker_events
-from launcher.worker.audit import check_exactly_once
+from ft_launch.ckpt.restore import TierKind
+from ft_launch.launcher import events as controller_events
+from ft_launch.launcher.reporting.runlog import commits
+from ft_launch.launcher.worker import events as worker_events
+from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.slurm.test_run import Training, training  # noqa: F401 (fixture)
 from tests.waiting import wait_until
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.ids import StepRef
-from ftcore.slurm.commands import StepSpec, srun_argv
+from ft_launch.ids import StepRef
+from ft_launch.slurm.commands import StepSpec, srun_argv
 from tests.cluster import labcluster
 from tests.waiting import wait_until
 
@@ -27,7 +27,7 @@ def write_batch(tmp_path: Path, replicas: int, standby: int, wait: bool) -> Path
     if wait:
         task += ["--wait-for", str(tmp_path / "release")]
     script = tmp_path / "job.sbatch"
-    plan = (f"{shlex.quote(sys.executable)} -m launcher.cli plan --replicas {replicas} "
+    plan = (f"{shlex.quote(sys.executable)} -m ft_launch.launcher.cli plan --replicas {replicas} "
             f"--standby {standby}")
     script.write_text("\n".join([
         "#!/bin/bash",

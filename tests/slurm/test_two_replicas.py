@@ -21,11 +21,11 @@ import sys
 
 import pytest
 
-from ftcore.config import Config, load_config
-from launcher import events as controller_events
-from launcher.quorum.reach import is_loopback
-from launcher.reporting.runlog import commits
-from launcher.worker.audit import check_exactly_once
+from ft_launch.config import Config, load_config
+from ft_launch.launcher import events as controller_events
+from ft_launch.launcher.quorum.reach import is_loopback
+from ft_launch.launcher.reporting.runlog import commits
+from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.cluster import labcluster
 from tests.slurm import test_run
 from tests.slurm.login import submitted, wait_controller
@@ -59,9 +59,9 @@ def assert_witness_voted(run: Training, address: str | None = None) -> None:
     (chosen,) = run.events(controller_events.ControllerWitnessChosen)
     assert chosen.voting and not is_loopback(chosen.address), chosen
     assert address is None or chosen.address == address, chosen
-    status = subprocess.run([sys.executable, "-m", "launcher.cli", "status", str(run.run_dir)],
-                            check=False, cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
+    status = subprocess.run([sys.executable, "-m", "ft_launch.launcher.cli", "status",
+                             str(run.run_dir)], check=False, cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
     assert f"controller witness: votes at {chosen.address}" in status.stdout, status
 
 

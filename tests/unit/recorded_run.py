@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ftcore.events import EventLog, RunStarted
-from launcher.events import (
+from ft_launch.events import EventLog, RunStarted
+from ft_launch.launcher.events import (
     NodeFaultDetected,
     ReplicaExited,
     ReplicaLaunched,
     RunFinished,
     StandbyPromoted,
 )
-from launcher.versions import CodeVersionApplied
-from launcher.worker.events import StepCommitted, WorkerStarted
+from ft_launch.launcher.versions import CodeVersionApplied
+from ft_launch.launcher.worker.events import StepCommitted, WorkerStarted
 
 T0 = 1_000.0
 FAULT, PROMOTED, BACK = 40.5, 41.0, 80.0        # replica 1: node lost, standby, first commit

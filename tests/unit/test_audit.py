@@ -1,4 +1,4 @@
-"""The exactly-once audit (``launcher.worker.audit``) over real audit files, with and
+"""The exactly-once audit (``ft_launch.launcher.worker.audit``) over real audit files, with and
 without rollbacks and rewinds: the history after a rollback supersedes the steps it
 trained again, the branch a rewind went on from supersedes the one it left, and the
 check is exact about the rollback and the rewind themselves."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.worker.audit import AuditError, AuditLog, audit_records, check_exactly_once
+from ft_launch.launcher.worker.audit import AuditError, AuditLog, audit_records, check_exactly_once
 
 BATCH = 8
 

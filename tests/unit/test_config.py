@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config import (
+from ft_launch.config import (
     MAX_FILE_BYTES,
     SECTIONS,
     Config,
@@ -17,7 +17,7 @@ from ftcore.config import (
     save_config,
     to_toml,
 )
-from ftcore.errors import ConfigError, ExitCode
+from ft_launch.errors import ConfigError, ExitCode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -173,7 +173,7 @@ def test_every_number_field_has_bounds_and_refuses_values_past_them(section, key
 
 
 def test_ports_and_ftar_counts_fit_their_wire_formats():
-    from ftar.transport import Hello
+    from ft_launch.ftar.transport import Hello
     for section, key in [("quorum", "port"), ("ckpt", "serve_port")]:
         bounds = field_bounds(SECTIONS[section], key)
         assert (bounds.low, bounds.high) == (0, 65535)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config import ENV_CONFIG, Config, load_config, parse_config, save_config, to_toml
-from ftcore.errors import ConfigError
+from ft_launch.config import ENV_CONFIG, Config, load_config, parse_config, save_config, to_toml
+from ft_launch.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
 ETC = Path(__file__).resolve().parents[2] / "etc" / "health"

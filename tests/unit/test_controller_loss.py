@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.errors import SlurmCommandError
-from ftcore.slurm.parse import JobInfo
-from ftcore.slurm.states import JobState
-from launcher.heartbeat import (
+from ft_launch.errors import SlurmCommandError
+from ft_launch.launcher.heartbeat import (
     ControllerWatch,
     ControllerWatchThread,
     HeartbeatWriter,
     beat_interval,
     read_beat,
 )
-from launcher.worker.controller_loss import end_allocation, saver_of, wait_job_ended
+from ft_launch.launcher.worker.controller_loss import end_allocation, saver_of, wait_job_ended
+from ft_launch.slurm.parse import JobInfo
+from ft_launch.slurm.states import JobState
 from tests.waiting import wait_until
 
 

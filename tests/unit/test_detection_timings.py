@@ -3,7 +3,7 @@ a run directory's files read into fault -> detection -> drain -> replica back.
 
 The files are written by the product's own writers: the controller's and the ranks'
 events by ``EventLog`` with the real event classes, the rank's fault line by the real
-``FaultInjector`` through ``ftcore.logs.FORMAT``. Nothing here starts a process."""
+``FaultInjector`` through ``ft_launch.logs.FORMAT``. Nothing here starts a process."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.events import EventLog, NodeDrained
-from ftcore.logs import FORMAT
-from launcher.diagnosis import HangDiagnosisReported
-from launcher.events import FailSlowDetected, NodeFaultDetected, StandbyPromoted
-from launcher.worker.events import StepCommitted, WorkerStarted
-from launcher.worker.faults import FaultInjector, FaultPoint, parse_faults
+from ft_launch.events import EventLog, NodeDrained
+from ft_launch.launcher.diagnosis import HangDiagnosisReported
+from ft_launch.launcher.events import FailSlowDetected, NodeFaultDetected, StandbyPromoted
+from ft_launch.launcher.worker.events import StepCommitted, WorkerStarted
+from ft_launch.launcher.worker.faults import FaultInjector, FaultPoint, parse_faults
+from ft_launch.logs import FORMAT
 from tests.scale.helpers import load_benchmark
 
 product_run = load_benchmark("product_run")
@@ -34,7 +34,7 @@ def log_injected(run_dir: Path, spec: str, steps: range, rank: int = 1) -> float
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(lambda record: created.append(record.created) or True)
-    logger = logging.getLogger("launcher.worker.faults")
+    logger = logging.getLogger("ft_launch.launcher.worker.faults")
     logger.addHandler(handler)
     try:
         injector = FaultInjector(parse_faults(spec))
@@ -145,7 +145,7 @@ def test_a_hang_is_timed_to_the_diagnosis_of_its_replica(tmp_path):
     path = tmp_path / "logs" / f"replica-{REPLICA}.1.log"
     path.parent.mkdir(parents=True)
     # the deadlock itself cannot run here: its line as the injector writes it
-    record = logging.LogRecord("launcher.worker.faults", logging.WARNING, __file__, 0,
+    record = logging.LogRecord("ft_launch.launcher.worker.faults", logging.WARNING, __file__, 0,
                                "injecting fault: %s at %s of step %d",
                                ("hang", "before_commit", 60), None)
     path.write_text(logging.Formatter(FORMAT).format(record) + "\n")

@@ -1,4 +1,4 @@
-"""Hang diagnosis (``launcher.diagnosis``): the report built from each node's stacks
+"""Hang diagnosis (``ft_launch.launcher.diagnosis``): the report built from each node's stacks
 (pure), the ranks' pid files, and the injected deadlock as py-spy sees it."""
 
 from __future__ import annotations
@@ -12,10 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from health.stacks import Frame, ProcessStack, ThreadStack, capture, process_state
-from launcher.diagnosis import HangRequest, build_report, parse_node_stacks, report_text
-from launcher.worker.identity import WorkerIdentity
-from launcher.worker.pids import RankProcess, clear_rank_pids, read_rank_pids, write_rank_pid
+from ft_launch.health.stacks import Frame, ProcessStack, ThreadStack, capture, process_state
+from ft_launch.launcher.diagnosis import HangRequest, build_report, parse_node_stacks, report_text
+from ft_launch.launcher.worker.identity import WorkerIdentity
+from ft_launch.launcher.worker.pids import (
+    RankProcess,
+    clear_rank_pids,
+    read_rank_pids,
+    write_rank_pid,
+)
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -113,7 +118,7 @@ def test_pid_files_are_written_read_and_cleared_per_replica(tmp_path):
 
 DEADLOCKING_RANK = """
 import sys
-from launcher.worker.faults import FaultInjector, FaultPoint, parse_faults
+from ft_launch.launcher.worker.faults import FaultInjector, FaultPoint, parse_faults
 injector = FaultInjector(parse_faults("hang@before_commit:4/1"))
 injector.check(FaultPoint.BEFORE_COMMIT, 3)
 print("step 4", flush=True)
@@ -144,13 +149,14 @@ def test_the_injected_hang_blocks_the_thread_where_its_stack_shows_it():
 
 
 def test_a_task_announces_the_pid_its_training_command_runs_as(tmp_path):
-    """``launcher.worker.task`` writes the file before it execs the command: a rank
+    """``ft_launch.launcher.worker.task`` writes the file before it execs the command: a rank
     hung before its manager starts (imports, rendezvous) can be found too."""
     env = {**os.environ, "FTL_WORKER_REPLICA_ID": "1", "FTL_WORKER_NUM_REPLICAS": "2",
            "FTL_WORKER_RUN_DIR": str(tmp_path), "FTL_WORKER_SECRET": "s",
            "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURMD_NODENAME": "n7"}
-    done = subprocess.run([sys.executable, "-m", "launcher.worker.task", "--", sys.executable,
-                           "-c", "import os; print(os.getpid())"], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "ft_launch.launcher.worker.task", "--",
+                           sys.executable, "-c", "import os; print(os.getpid())"],
+                          cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60, check=True)
     (process,), problems = read_rank_pids(tmp_path, 1)
     assert problems == []

@@ -4,7 +4,12 @@ import os
 
 import pytest
 
-from health.drain_request import InvalidDrainRequest, job_comment, requested_reason, write_request
+from ft_launch.health.drain_request import (
+    InvalidDrainRequest,
+    job_comment,
+    requested_reason,
+    write_request,
+)
 
 UID = os.getuid()
 

@@ -1,4 +1,4 @@
-"""The one signed envelope and replay guard (``ftcore.envelope``) that the quorum
+"""The one signed envelope and replay guard (``ft_launch.envelope``) that the quorum
 and the health channel share: what it binds, what it refuses, what it remembers."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import enum
 
 import pytest
 
-from ftcore.envelope import (
+from ft_launch.envelope import (
     BROADCAST,
     MAC_BYTES,
     Envelope,
@@ -16,7 +16,7 @@ from ftcore.envelope import (
     ReplayGuard,
     Seal,
 )
-from ftcore.ids import new_job_secret, sign
+from ft_launch.ids import new_job_secret, sign
 
 pytestmark = pytest.mark.timeout(30)
 SECRET = new_job_secret()

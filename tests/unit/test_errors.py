@@ -1,6 +1,6 @@
 import pytest
 
-from ftcore.errors import (
+from ft_launch.errors import (
     ExitCode,
     FatalError,
     NodeUnhealthyError,
@@ -8,7 +8,13 @@ from ftcore.errors import (
     TerminalAbort,
     exit_code_for,
 )
-from ftcore.slurm.states import JOB_DISPOSITION, Disposition, JobState, NodeState, node_disposition
+from ft_launch.slurm.states import (
+    JOB_DISPOSITION,
+    Disposition,
+    JobState,
+    NodeState,
+    node_disposition,
+)
 
 
 def test_error_carries_ids_and_hint():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launcher.reporting.ettr import (
+from ft_launch.launcher.reporting.ettr import (
     JobModel,
     RecoveryCost,
     binomial_quantile,

@@ -2,9 +2,9 @@ import os
 
 import pytest
 
-from ftcore.events import EventLog, NodeDrained, StepEnded, read_events
-from ftcore.files import atomic_write_text
-from ftcore.ids import new_job_secret, sign, verify
+from ft_launch.events import EventLog, NodeDrained, StepEnded, read_events
+from ft_launch.files import atomic_write_text
+from ft_launch.ids import new_job_secret, sign, verify
 
 
 def test_events_round_trip_and_torn_tail(tmp_path):
@@ -26,7 +26,7 @@ def test_atomic_write_keeps_old_content_when_write_fails(tmp_path, monkeypatch):
     def disk_full(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("ftcore.files.os.replace", disk_full)
+    monkeypatch.setattr("ft_launch.files.os.replace", disk_full)
     with pytest.raises(OSError, match="No space"):
         atomic_write_text(target, "new")
     assert target.read_text() == "old"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ftcore.errors import ExitCode, UsageError
-from ftcore.slurm.hostlist import MAX_HOSTS, HostlistError, compress, expand
+from ft_launch.errors import ExitCode, UsageError
+from ft_launch.slurm.hostlist import MAX_HOSTS, HostlistError, compress, expand
 
 
 def test_the_error_is_a_usage_error_naming_the_input():

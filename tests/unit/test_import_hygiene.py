@@ -6,13 +6,15 @@ import sys
 
 import pytest
 
-CONTROL_PLANE = ["ftcore.config", "ftcore.errors", "ftcore.events", "ftcore.slurm.client",
-                 "ftcore.slurm.parse", "launcher.cli", "launcher.plan", "launcher.supervisor",
-                 "launcher.recovery", "launcher.standby",
-                 "launcher.quorum", "launcher.worker.manager", "launcher.versions",
-                 "launcher.reporting.summary", "launcher.reporting.status",
-                 "launcher.reporting.live", "launcher.reporting.timeline",
-                 "launcher.reporting.plots"]
+CONTROL_PLANE = ["ft_launch.config", "ft_launch.errors", "ft_launch.events",
+                 "ft_launch.slurm.client", "ft_launch.slurm.parse", "ft_launch.launcher.cli",
+                 "ft_launch.launcher.plan", "ft_launch.launcher.supervisor",
+                 "ft_launch.launcher.recovery", "ft_launch.launcher.standby",
+                 "ft_launch.launcher.quorum", "ft_launch.launcher.worker.manager",
+                 "ft_launch.launcher.versions",
+                 "ft_launch.launcher.reporting.summary", "ft_launch.launcher.reporting.status",
+                 "ft_launch.launcher.reporting.live", "ft_launch.launcher.reporting.timeline",
+                 "ft_launch.launcher.reporting.plots"]
 
 
 @pytest.mark.parametrize("module", CONTROL_PLANE)
@@ -20,18 +22,19 @@ def test_module_does_not_import_torch(module):
     code = (f"import sys, {module}; "
             "bad = [m for m in ('torch', 'numpy.testing', 'matplotlib') if m in sys.modules]; "
             "print(','.join(bad))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                            timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=False, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "torch" not in result.stdout.split(","), f"{module} pulls in torch"
     assert "matplotlib" not in result.stdout.split(","), f"{module} pulls in matplotlib"
 
 
 def test_kernel_imports_no_product_package():
-    code = ("import sys, ftcore.config, ftcore.errors, ftcore.events, ftcore.files, ftcore.ids, "
-            "ftcore.logs, ftcore.slurm.client; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'launcher', 'ftar', 'ckpt', 'health', 'slurm_plugins'}))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                            timeout=60)
+    code = ("import sys, ft_launch.config, ft_launch.errors, ft_launch.events, ft_launch.files, "
+            "ft_launch.ids, ft_launch.logs, ft_launch.slurm.client; "
+            "print(sorted({'.'.join(m.split('.')[:2]) for m in sys.modules} & "
+            "{'ft_launch.launcher', 'ft_launch.ftar', 'ft_launch.ckpt', 'ft_launch.health', "
+            "'ft_launch.slurm_plugins'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=False, timeout=60)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr

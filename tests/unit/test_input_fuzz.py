@@ -15,9 +15,9 @@ import typing
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ftcore.config import SECTIONS, Config, field_bounds, load_config, save_config, to_toml
-from ftcore.errors import ConfigError
-from ftcore.slurm.hostlist import MAX_HOSTS, MAX_NAME_CHARS, HostlistError, compress, expand
+from ft_launch.config import SECTIONS, Config, field_bounds, load_config, save_config, to_toml
+from ft_launch.errors import ConfigError
+from ft_launch.slurm.hostlist import MAX_HOSTS, MAX_NAME_CHARS, HostlistError, compress, expand
 
 FUZZ = settings(max_examples=300, deadline=None, database=None,  # no example files in the tree
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -3,12 +3,12 @@ composition of the recovery and code-version tables, and the reasons it gives.""
 
 from __future__ import annotations
 
-from ftcore.errors import ExitCode
-from launcher import lifecycle as lc
-from launcher import recovery as rc
-from launcher import versions as cv
-from launcher.events import NodeFaultDetected
-from launcher.run_state import ReplicaState, RunState
+from ft_launch.errors import ExitCode
+from ft_launch.launcher import lifecycle as lc
+from ft_launch.launcher import recovery as rc
+from ft_launch.launcher import versions as cv
+from ft_launch.launcher.events import NodeFaultDetected
+from ft_launch.launcher.run_state import ReplicaState, RunState
 
 POLICY = lc.Policy(lost_timeout=10.0, start_timeout=60.0, finish_grace=30.0)
 

@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import pytest
 
-from ftcore.config import SpikePolicy, load_config
-from ftcore.errors import ConfigError, UsageError
-from health.anomaly import StepLossSpikes
-from launcher import lifecycle as lc
-from launcher import recovery as rc
-from launcher import rollback as rb
-from launcher.events import LossSpiked
-from launcher.run_state import ReplicaState, RunState
-from launcher.worker.faults import FaultAction, FaultInjector, FaultPoint, parse_faults
-from launcher.worker.protocol import OtherHistoryError, QuorumView, ReplicaEndpoints, plan_step
-from launcher.worker.rollbacks import Rollbacks, history_of
+from ft_launch.config import SpikePolicy, load_config
+from ft_launch.errors import ConfigError, UsageError
+from ft_launch.health.anomaly import StepLossSpikes
+from ft_launch.launcher import lifecycle as lc
+from ft_launch.launcher import recovery as rc
+from ft_launch.launcher import rollback as rb
+from ft_launch.launcher.events import LossSpiked
+from ft_launch.launcher.run_state import ReplicaState, RunState
+from ft_launch.launcher.worker.faults import FaultAction, FaultInjector, FaultPoint, parse_faults
+from ft_launch.launcher.worker.protocol import (
+    OtherHistoryError,
+    QuorumView,
+    ReplicaEndpoints,
+    plan_step,
+)
+from ft_launch.launcher.worker.rollbacks import Rollbacks, history_of
 
 # --------------------------------------------------------------------------- detector
 

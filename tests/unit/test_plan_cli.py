@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from ftcore.config import BatchHostRole, JobConfig
-from ftcore.errors import UsageError
-from launcher.plan import plan_allocation
+from ft_launch.config import BatchHostRole, JobConfig
+from ft_launch.errors import UsageError
+from ft_launch.launcher.plan import plan_allocation
 
 NODES = tuple(f"n{i}" for i in range(1, 9))
 
@@ -64,8 +64,8 @@ def test_plan_rejects_bad_input(nodes, job, command, message):
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True,
-                          text=True, timeout=60, env=env, check=False)
+    return subprocess.run([sys.executable, "-m", "ft_launch.launcher.cli", *args],
+                          capture_output=True, text=True, timeout=60, env=env, check=False)
 
 
 def test_cli_plan_prints_exact_commands():
@@ -99,7 +99,7 @@ def test_cli_standby_size():
     result = run_cli("standby-size", "--machines", "1000", "--daily-failure-rate", "0.002",
                      "--window", "24")
     assert result.returncode == 0, result.stderr
-    from launcher.reporting.ettr import standby_size
+    from ft_launch.launcher.reporting.ettr import standby_size
     expected = standby_size(1000, 0.002, 24)
     assert f"hold {expected} warm standby" in result.stdout
     assert "ETTR gained per standby node" in result.stdout

@@ -12,8 +12,8 @@ import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from ftcore.errors import UsageError
-from launcher.reporting import plots
+from ft_launch.errors import UsageError
+from ft_launch.launcher.reporting import plots
 
 SERIES = [("a", [1, 10, 100], [1.0, 2.0, 3.0]), ("b", [1, 100], [3.0, 1.0])]
 

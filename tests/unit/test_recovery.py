@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 
-from launcher import recovery as rc
+from ft_launch.launcher import recovery as rc
 
 
 def state(replicas=3, standby=("s1",), nodes_per_replica=1):

@@ -1,4 +1,4 @@
-"""The files of a dual-phase replay (``launcher.worker.replay_files``): what is written
+"""The files of a dual-phase replay (``ft_launch.launcher.worker.replay_files``): what is written
 reads back the same, and every file that is not what it should be is refused with
 its path, the field and what was expected."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt.manifest import Manifest, TensorDesc, add_checksums, plan_layout
-from launcher.worker.replay_files import (
+from ft_launch.ckpt.manifest import Manifest, TensorDesc, add_checksums, plan_layout
+from ft_launch.launcher.worker.replay_files import (
     MAX_RECORD_BYTES,
     RankDigest,
     ReplayFileError,

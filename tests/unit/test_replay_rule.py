@@ -1,4 +1,4 @@
-"""Dual-phase replay in the controller's decision (``launcher.replay_rule`` through
+"""Dual-phase replay in the controller's decision (``ft_launch.launcher.replay_rule`` through
 ``lifecycle.decide``): when a replica of several nodes is replayed, what each
 verdict evicts, and the fallbacks."""
 
@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from health.drain import drain_reason
-from launcher import lifecycle as lc
-from launcher import recovery as rc
-from launcher import replay_rule as rr
-from launcher.events import NodeFaultDetected, SdcReplayOrdered
-from launcher.run_state import ReplicaState, RunState
+from ft_launch.health.drain import drain_reason
+from ft_launch.launcher import lifecycle as lc
+from ft_launch.launcher import recovery as rc
+from ft_launch.launcher import replay_rule as rr
+from ft_launch.launcher.events import NodeFaultDetected, SdcReplayOrdered
+from ft_launch.launcher.run_state import ReplicaState, RunState
 
 LIMIT = 3
 POLICY = lc.Policy(lost_timeout=10.0, start_timeout=60.0, nonfinite_limit=LIMIT,

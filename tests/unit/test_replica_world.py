@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from ftcore.config import JobConfig
-from ftcore.errors import RecoverableError, UsageError
-from launcher.plan import plan_allocation, replica_step_spec
-from launcher.worker.exchange import StepWork
-from launcher.worker.identity import (
+from ft_launch.config import JobConfig
+from ft_launch.errors import RecoverableError, UsageError
+from ft_launch.launcher.plan import plan_allocation, replica_step_spec
+from ft_launch.launcher.worker.exchange import StepWork
+from ft_launch.launcher.worker.identity import (
     MASTER_PORT_BASE,
     MASTER_PORT_SPAN,
     master_port,
@@ -41,7 +41,7 @@ def test_replica_steps_start_their_tasks_through_the_world_shim() -> None:
                                                          batch_host="replica"),
                            ("python3", "train.py"), job_id="5")
     spec = replica_step_spec(plan, ("n2",), 1)
-    assert spec.command[1:4] == ("-m", "launcher.worker.task", "--")
+    assert spec.command[1:4] == ("-m", "ft_launch.launcher.worker.task", "--")
     assert spec.command[4:] == ("python3", "train.py")
 
 
@@ -76,7 +76,7 @@ def test_exchange_raises_other_errors_in_the_waiting_thread() -> None:
 
 
 def test_an_allocation_short_of_cpus_for_the_ranks_is_refused_with_the_fix() -> None:
-    from launcher.plan import check_cpus
+    from ft_launch.launcher.plan import check_cpus
 
     check_cpus((2, 2), ("n1", "n2"), 2, "9")
     check_cpus((), ("n1", "n2"), 2, "9")            # counts unknown (--jobid): Slurm decides

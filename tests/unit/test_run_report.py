@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from launcher.cli import write_run_report
+from ft_launch.launcher.cli import write_run_report
 
 
 def test_an_unreadable_run_log_is_a_warning_not_a_traceback(tmp_path, caplog):

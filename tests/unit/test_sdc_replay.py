@@ -1,4 +1,4 @@
-"""The controller's replay shell (``launcher.sdc_replay``) against real state servers
+"""The controller's replay shell (``ft_launch.launcher.sdc_replay``) against real state servers
 and a stand-in ``srun``: the state captured from a training replica's ranks, one
 Slurm step per group with the replay's environment, the groups judged against the
 reference column, the report, the outcome, and what a failed capture gives."""
@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt.serve import StateServer
-from ckpt.snapshot import ArrayState, DualBufferSnapshotter
-from ftcore.ids import new_job_secret
-from ftcore.slurm.client import SlurmCli
-from launcher.replay_rule import RunReplay
-from launcher.sdc_replay import ReplaySetup, SdcReplays
-from launcher.worker.replay_files import load_captured, publish_state_servers
+from ft_launch.ckpt.serve import StateServer
+from ft_launch.ckpt.snapshot import ArrayState, DualBufferSnapshotter
+from ft_launch.ids import new_job_secret
+from ft_launch.launcher.replay_rule import RunReplay
+from ft_launch.launcher.sdc_replay import ReplaySetup, SdcReplays
+from ft_launch.launcher.worker.replay_files import load_captured, publish_state_servers
+from ft_launch.slurm.client import SlurmCli
 from tests.waiting import patience, wait_until
 
 SECRET = new_job_secret()

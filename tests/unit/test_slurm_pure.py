@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.errors import UsageError
-from ftcore.ids import StepRef
-from ftcore.slurm import commands, parse
-from ftcore.slurm.allocation import Allocation, expand_counts
-from ftcore.slurm.hostlist import compress, expand
-from ftcore.slurm.states import JobState, NodeState
-from health.slurm_env import read_slurm_env
+from ft_launch.errors import UsageError
+from ft_launch.health.slurm_env import read_slurm_env
+from ft_launch.ids import StepRef
+from ft_launch.slurm import commands, parse
+from ft_launch.slurm.allocation import Allocation, expand_counts
+from ft_launch.slurm.hostlist import compress, expand
+from ft_launch.slurm.states import JobState, NodeState
 
 FIXTURES = Path(__file__).parent / "fixtures"
 #: recorded from each real release by tests/cluster/record_fixtures.py (same scenario)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from launcher.standby import script_imports, warm_up
+from ft_launch.launcher.standby import script_imports, warm_up
 
 
 def test_script_imports_are_the_absolute_top_level_ones(tmp_path: Path) -> None:

@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ftcore.config import load_config
-from launcher.cli import build_parser
-from launcher.submit import controller_argv, nodes_needed, salloc_extra
+from ft_launch.config import load_config
+from ft_launch.launcher.cli import build_parser
+from ft_launch.launcher.submit import controller_argv, nodes_needed, salloc_extra
 
 
 def parse(*argv: str):
@@ -33,7 +33,7 @@ def test_the_detached_controller_runs_the_same_config_and_releases_the_allocatio
                                       "submit", "--replicas", "2", "--standby", "1", "--",
                                       "python", "train.py", "--steps", "9"])
     argv = controller_argv(args, "42", ("python", "train.py", "--steps", "9"))
-    assert argv[1:3] == ["-m", "launcher.cli"]
+    assert argv[1:3] == ["-m", "ft_launch.launcher.cli"]
     assert argv[argv.index("--config") + 1] == str(config.resolve())
     assert argv[argv.index("--set") + 1] == "quorum.join_timeout=3"
     run = argv.index("run")
@@ -53,7 +53,7 @@ def test_bad_input_is_refused_before_anything_is_allocated(tmp_path):
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
     for argv in (["submit", "--replicas", "0", "--", "python", "t.py"],
                  ["submit", "--replicas", "2"]):
-        result = subprocess.run([sys.executable, "-m", "launcher.cli", *argv], env=env,
+        result = subprocess.run([sys.executable, "-m", "ft_launch.launcher.cli", *argv], env=env,
                                 cwd=Path(__file__).resolve().parents[2], capture_output=True,
                                 text=True, timeout=60, check=False)
         assert result.returncode == 2, result.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config import (
+from ft_launch.config import (
     Config,
     HealthConfig,
     JobConfig,
@@ -26,13 +26,12 @@ from ftcore.config import (
     SlowPolicy,
     StandbyMode,
 )
-from ftcore.errors import ExitCode
-from ftcore.events import EventLog, NodeDrained, read_events
-from ftcore.slurm.client import SlurmBackend
-from launcher import lifecycle as lc
-from launcher import versions as cv
-from launcher.diagnosis import HangDiagnosisReported
-from launcher.events import (
+from ft_launch.errors import ExitCode
+from ft_launch.events import EventLog, NodeDrained, read_events
+from ft_launch.launcher import lifecycle as lc
+from ft_launch.launcher import versions as cv
+from ft_launch.launcher.diagnosis import HangDiagnosisReported
+from ft_launch.launcher.events import (
     ActionTaken,
     FailSlowDetected,
     LossSpiked,
@@ -40,15 +39,16 @@ from launcher.events import (
     NodeFaultDetected,
     RunFinished,
 )
-from launcher.plan import LaunchPlan, ReplicaPlacement
-from launcher.pool import GROW_RETRY_FIRST_S
-from launcher.quorum.events import MembersLivenessChanged
-from launcher.run_state import ReplicaState
-from launcher.standby import activation_file
-from launcher.supervisor import NODE_CHECK_INTERVAL, Supervisor
-from launcher.worker.events import StepCommitted, StepDiscarded, WorkerStarted
-from launcher.worker.identity import ENV_SECRET, WorkerIdentity
-from launcher.worker.pids import write_rank_pid
+from ft_launch.launcher.plan import LaunchPlan, ReplicaPlacement
+from ft_launch.launcher.pool import GROW_RETRY_FIRST_S
+from ft_launch.launcher.quorum.events import MembersLivenessChanged
+from ft_launch.launcher.run_state import ReplicaState
+from ft_launch.launcher.standby import activation_file
+from ft_launch.launcher.supervisor import NODE_CHECK_INTERVAL, Supervisor
+from ft_launch.launcher.worker.events import StepCommitted, StepDiscarded, WorkerStarted
+from ft_launch.launcher.worker.identity import ENV_SECRET, WorkerIdentity
+from ft_launch.launcher.worker.pids import write_rank_pid
+from ft_launch.slurm.client import SlurmBackend
 from tests.fakes.slurm import FakeSlurm
 from tests.waiting import wait_until
 
@@ -225,7 +225,7 @@ def test_a_crash_is_retried_in_place_then_its_node_evicted(loop):
     run.poll()
     retry = run.slurm.step_named("replica-2")
     assert retry.running and retry.spec.nodes == ("n2",)
-    assert "slurm_plugins.gate" in retry.spec.command      # stop-time diagnosis first
+    assert "ft_launch.slurm_plugins.gate" in retry.spec.command      # stop-time diagnosis first
     assert not any(c[0] == "set_node_state" for c in run.slurm.calls)
     retry.exit(1)                                           # again, no step in between
     run.poll()
@@ -537,5 +537,5 @@ def test_a_loss_spike_rolls_every_replica_back_without_a_failure(loop):
     assert all(run.state(r) is ReplicaState.RUNNING for r in range(3))
     assert all(run.supervisor.state.run.replica(r).failures == 0 for r in range(3))
     # ft-launch status lists it among the events
-    from launcher.reporting.status import describe_event
+    from ft_launch.launcher.reporting.status import describe_event
     assert describe_event(spiked[0]) == "loss spiked at step 21: 40 against 2 -> rollback"

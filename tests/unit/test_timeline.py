@@ -11,10 +11,10 @@ import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from ftcore.errors import UsageError
-from ftcore.events import EventLog
-from launcher.reporting import plots
-from launcher.reporting import timeline as tl
+from ft_launch.errors import UsageError
+from ft_launch.events import EventLog
+from ft_launch.launcher.reporting import plots
+from ft_launch.launcher.reporting import timeline as tl
 from tests.unit.recorded_run import (
     BACK,
     BACK_2,

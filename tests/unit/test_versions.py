@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.errors import UsageError
-from ftcore.events import EventLog, read_events
-from launcher import versions as vs
-from launcher.run_state import ReplicaState, RunState
+from ft_launch.errors import UsageError
+from ft_launch.events import EventLog, read_events
+from ft_launch.launcher import versions as vs
+from ft_launch.launcher.run_state import ReplicaState, RunState
 
 T0 = 1000.0
 DIGEST_A = "a" * 64

@@ -6,8 +6,8 @@ import itertools
 import sys
 from pathlib import Path
 
-from launcher.worker.audit import check_exactly_once
-from launcher.worker.local import LocalJob
+from ft_launch.launcher.worker.audit import check_exactly_once
+from ft_launch.launcher.worker.local import LocalJob
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"

@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "etc" / "examples" / "gpt"))
 
 from corpus import Corpus, replica_sample_ids
@@ -78,7 +77,7 @@ def native(args: argparse.Namespace) -> None:
 
 
 def ft(args: argparse.Namespace) -> None:
-    from launcher.worker.torch_api import ft_manager
+    from ft_launch.launcher.worker.torch_api import ft_manager
 
     dist.init_process_group("gloo")          # the replica's world, from the env
     model, corpus = build(init_device_mesh("cpu", (args.ranks,)), args.reduce_dtype)

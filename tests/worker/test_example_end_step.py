@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftcore.files import atomic_write_text
+from ft_launch.files import atomic_write_text
 from tests.scale.helpers import load_script
 from tests.waiting import patience, wait_until
 

@@ -11,9 +11,9 @@ import socket
 
 import pytest
 
-from launcher.quorum.witness_service import MemoryFile, replica_memory_path
-from launcher.worker.audit import check_exactly_once
-from launcher.worker.local import LocalJob
+from ft_launch.launcher.quorum.witness_service import MemoryFile, replica_memory_path
+from ft_launch.launcher.worker.audit import check_exactly_once
+from ft_launch.launcher.worker.local import LocalJob
 from tests.waiting import patience, wait_until
 
 from .harness import check_run, loopback_job, max_gap, stall_bound

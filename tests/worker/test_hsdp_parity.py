@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launcher.worker.local import LocalJob, free_port
+from ft_launch.launcher.worker.local import LocalJob, free_port
 from tests.waiting import patience
 
 WORKER = Path(__file__).with_name("hsdp_worker.py")

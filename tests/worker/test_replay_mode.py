@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from health.replay import ReplayStatus, judge, plan_replay_grid
-from health.replay_runner import LocalGroupLauncher, run_phases
-from launcher.sdc_replay import capture_state, group_result
-from launcher.worker.local import free_port
-from launcher.worker.replay_files import ReplaySpec, read_result, write_spec
+from ft_launch.health.replay import ReplayStatus, judge, plan_replay_grid
+from ft_launch.health.replay_runner import LocalGroupLauncher, run_phases
+from ft_launch.launcher.sdc_replay import capture_state, group_result
+from ft_launch.launcher.worker.local import free_port
+from ft_launch.launcher.worker.replay_files import ReplaySpec, read_result, write_spec
 from tests.waiting import patience, wait_until
 
 from .harness import TRAIN, loopback_job

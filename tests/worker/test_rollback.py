@@ -1,5 +1,5 @@
 """A rollback on real replica processes (loopback, a "node" each): what ``ft-launch
-run`` does on a loss spike (``launcher.rollback``), the controller's part played by
+run`` does on a loss spike (``ft_launch.launcher.rollback``), the controller's part played by
 the test.
 
 Every rank spikes its loss (and gradients) at ``SPIKE``, and stops itself after
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.restore import TierKind
-from ftcore.env import ENV_ROLLBACKS
-from launcher.worker import events as worker_events
-from launcher.worker.audit import check_exactly_once
+from ft_launch.ckpt.restore import TierKind
+from ft_launch.env import ENV_ROLLBACKS
+from ft_launch.launcher.worker import events as worker_events
+from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.ckpt.test_peer_backup_run import NodesJob
 from tests.waiting import patience, wait_until
 from tests.worker.harness import loopback_job, restored_states

@@ -36,10 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import Corpus, replica_sample_ids
 from model import Gpt, GptConfig
 
-from ckpt.resident import ResidentAdamW
-from ftcore.logs import configure_logging
-from launcher.worker.protocol import StepKind
-from launcher.worker.torch_api import FtOptimizer, ft_manager
+from ft_launch import FtOptimizer, ResidentAdamW, StepKind, configure_logging, ft_manager
 
 SIZES = {"tiny": {"d_model": 32, "n_layers": 1, "n_heads": 2, "context": 32},
          "small": {"d_model": 64, "n_layers": 2, "n_heads": 4, "context": 64},

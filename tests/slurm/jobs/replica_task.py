@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ftcore.files import atomic_write_text
+from ft_launch.files import atomic_write_text
 
 parser = argparse.ArgumentParser()
 parser.add_argument("outdir", type=Path)
