@@ -246,7 +246,7 @@ class Harness:
         self.topology = [RankPlace(rank=r, node=f"n{r}", replica_id=r // STAGES,
                                    dp_group=r % STAGES, tp_group=r, pp_group=r // STAGES)
                          for r in range(RANKS)]
-        env = {**os.environ, SECRET_ENV: self.secret, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, SECRET_ENV: self.secret}
         self.workers = [subprocess.Popen(
             [sys.executable, __file__, "--worker", str(r), self.collective.endpoint,
              self.collector.endpoint], env=env, stdin=subprocess.DEVNULL) for r in range(RANKS)]

@@ -42,7 +42,6 @@ from tests.waiting import wait_until
 from tests.zmtp import RawPeer
 
 pytestmark = pytest.mark.timeout(120)
-REPO = Path(__file__).resolve().parents[2]
 
 HEALTHY_REPORT = {"profile": "inspection", "node": "n2", "status": "pass", "started": 1.0,
                   "duration": 0.1, "results": [{"name": "gpu_xid", "status": "pass",
@@ -123,7 +122,7 @@ def inspection(tmp_path: Path) -> Iterator[tuple[NodeInspection, str, Path]]:
     config.write_text(f'[health]\ngpus_per_node = 8\nbackend = "simulated"\n'
                       f'sim_fault_dir = "{tmp_path}"\n'
                       f'[checks.disk]\npaths = ["/"]\nmin_free_bytes = 1\n')
-    env = {**os.environ, SECRET_ENV: secret, ENV_CONFIG: str(config), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, SECRET_ENV: secret, ENV_CONFIG: str(config)}
     steps: Any = LocalSteps()  # the part of SlurmBackend that NodeInspection uses
     watched = NodeInspection(HealthConfig(inspection_interval=0.2), steps, secret, env, tmp_path)
     try:

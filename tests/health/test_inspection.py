@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import zmq
@@ -21,7 +20,6 @@ from ft_launch.ids import new_job_secret
 from tests.waiting import patience
 
 pytestmark = pytest.mark.timeout(60)
-REPO = Path(__file__).resolve().parents[2]
 
 
 def collect_until(collector, condition, timeout):
@@ -45,7 +43,7 @@ def test_agent_process_reports_until_a_fault_then_alarms(tmp_path):
     agent = subprocess.Popen(
         [sys.executable, "-m", "ft_launch.health.inspection", "--endpoint", collector.endpoint,
          "--node", "n2", "--interval", "0.2", "--config", str(config)],
-        env={**os.environ, "FTL_WORKER_SECRET": secret, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "FTL_WORKER_SECRET": secret},
         stderr=subprocess.DEVNULL)
     try:
         first = collect_until(collector, lambda e: e.kind is MessageKind.REPORT, 20)

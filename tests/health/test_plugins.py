@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -42,8 +41,7 @@ def lab(tmp_path):
                       f'sim_fault_dir = "{faults}"\nreport_dir = "{reports}"\n'
                       f'[checks.disk]\npaths = ["/"]\nmin_free_bytes = 1\n')
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(tmp_path),
-           "FTL_CONFIG": str(config), "SLURMD_NODENAME": "n3",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           "FTL_CONFIG": str(config), "SLURMD_NODENAME": "n3"}
     return tmp_path, env
 
 

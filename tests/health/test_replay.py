@@ -5,7 +5,6 @@ import json
 import os
 import stat
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +14,6 @@ from ft_launch.health.replay_job import reference_digest, workload_digest
 from ft_launch.health.replay_runner import LocalGroupLauncher, SrunGroupLauncher, run_replay
 from ft_launch.slurm.client import SlurmCli
 
-REPO = Path(__file__).resolve().parents[2]
 NODES = [f"n{i:02d}" for i in range(16)]
 
 
@@ -64,7 +62,7 @@ def test_local_replay_finds_the_node_injected_with_silent_corruption(tmp_path):
     config.write_text(f'[health]\nbackend = "simulated"\nsim_fault_dir = "{tmp_path}"\n')
     launcher = LocalGroupLauncher(
         [sys.executable, "-m", "ft_launch.health.replay_job", "--expect", reference_digest()],
-        env={**os.environ, "FTL_CONFIG": str(config), "PYTHONPATH": str(REPO)})
+        env={**os.environ, "FTL_CONFIG": str(config)})
     grid = plan_replay_grid(NODES[:8], pp=2, dp=4, k=1)
     verdict, outcomes = run_replay(grid, launcher)
     assert (verdict.status, verdict.suspects) == (ReplayStatus.FOUND, ("n05",))

@@ -38,7 +38,6 @@ from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[2]
 NODE_UNHEALTHY = 76
 
 
@@ -73,13 +72,11 @@ def health(slurm_cluster, tmp_path):
             "#!/bin/sh",
             f"export FTL_CONFIG={shlex.quote(str(config))}",
             f"export SLURM_CONF={shlex.quote(str(labcluster.state_dir() / 'slurm.conf'))}",
-            f"export PYTHONPATH={shlex.quote(str(REPO))}",
             f"exec {shlex.quote(sys.executable)} -m ft_launch.slurm_plugins.{hook}", ""]))
         path.chmod(0o755)
         return str(path)
 
-    env = {**labcluster.client_env(), "FTL_CONFIG": str(config),
-           "PYTHONPATH": str(REPO)}
+    env = {**labcluster.client_env(), "FTL_CONFIG": str(config)}
     try:
         yield HealthLab(faults, reports, tmp_path, env, wrapper)
     finally:

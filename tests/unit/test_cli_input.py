@@ -15,7 +15,6 @@ from ft_launch.errors import ConfigError, ExitCode
 
 def run_cli(*args, cwd=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FTL_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "ft_launch.launcher.cli", *args],
                           capture_output=True, text=True, errors="backslashreplace",
                           timeout=120, env=env,

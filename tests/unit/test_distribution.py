@@ -79,10 +79,9 @@ def test_the_wheel_holds_every_source_file_under_its_package(wheel):
 def test_every_console_script_runs_from_the_one_package(wheel):
     (info,) = {name.split("/")[0] for name in wheel.namelist() if ".dist-info/" in name}
     lines = wheel.read(f"{info}/entry_points.txt").decode().splitlines()
-    targets = [line.split("=", 1)[1].strip() for line in lines if "=" in line]
-    assert sorted(line.split("=", 1)[0].strip() for line in lines if "=" in line) == [
-        "ft-epilog", "ft-gate", "ft-healthcheck", "ft-launch", "ft-prolog"]
-    assert all(target.startswith("ft_launch.") for target in targets), targets
+    scripts = dict(map(str.strip, line.split("=", 1)) for line in lines if "=" in line)
+    assert sorted(scripts) == ["ft-epilog", "ft-gate", "ft-healthcheck", "ft-launch", "ft-prolog"]
+    assert all(target.startswith("ft_launch.") for target in scripts.values()), scripts
 
 
 @pytest.mark.timeout(120)
