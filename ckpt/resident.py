@@ -202,7 +202,7 @@ class Residency:
     """Keeps a model's parameters and its ``ResidentAdam`` moments in the
     snapshot buffers of ``snapshots``; builds the snapshot sources that match.
 
-    ``scheduler`` and ``rng`` must be what every snapshot of this state is
+    ``stateful`` and ``rng`` must be what every snapshot of this state is
     built with (``source`` does that): the optimizer writes into the layout
     they give, and ``start`` refuses a snapshot laid out otherwise.
 
@@ -213,12 +213,12 @@ class Residency:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: ResidentAdam,
-                 snapshots: DualBufferSnapshotter, *, scheduler: Any = None, rng: bool = True,
+                 snapshots: DualBufferSnapshotter, *, stateful: Any = None, rng: bool = True,
                  wait: float = READER_WAIT) -> None:
         self.model = model
         self.optimizer = optimizer
         self.snapshots = snapshots
-        self.scheduler = scheduler
+        self.stateful = stateful
         self.rng = rng
         self.wait = wait
         self._names = self._home_names()
@@ -231,7 +231,7 @@ class Residency:
 
     def source(self, step: int, loader_state: Mapping[str, Any] | None = None
                ) -> TorchStateSource:
-        self._last = TorchStateSource(self.model, self.optimizer, self.scheduler, step=step,
+        self._last = TorchStateSource(self.model, self.optimizer, self.stateful, step=step,
                                       loader_state=loader_state, rng=self.rng,
                                       previous=self._last)
         return self._last

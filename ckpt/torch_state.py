@@ -7,8 +7,12 @@ imports it. The flat layout of a rank's state:
   the like change during forward) are *eager*, copied when the snapshot starts;
 * ``optim/state/<param id>/<key>``: the optimizer's per-parameter tensors;
 * ``rng/torch``, ``rng/cuda/<i>``, ``rng/numpy``: generator states (eager);
-* JSON ``meta``: optimizer param groups and scalar state, scheduler state,
-  Python and numpy RNG scalars, ``step``, ``loader_state``, and ``layout``.
+* ``state/<i>``: the tensors of ``stateful`` (any object with ``state_dict()`` /
+  ``load_state_dict()``: an LR scheduler, or the script's registered objects),
+  copied when the snapshot starts (eager);
+* JSON ``meta``: optimizer param groups and scalar state, the rest of
+  ``stateful``'s state (``state``, see ``encode_state``), Python and numpy RNG
+  scalars, ``step``, ``loader_state``, and ``layout``.
 
 Sharded models (FSDP2, any DTensor): a rank snapshots, serves and loads only
 its local shards. Each DTensor is recorded as its local tensor (the manifest's
@@ -34,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ft_launch.errors import UsageError
+
 from .errors import LayoutMismatchError
 from .manifest import (
     Bytes,
@@ -48,6 +54,7 @@ from .manifest import (
 
 MODEL = "model/"
 OPTIM = "optim/state/"
+STATE = "state/"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -120,10 +127,12 @@ def as_tensor(spec_view: Bytes, dtype: str, shape: Sequence[int]) -> torch.Tenso
 
 
 class TorchStateSource:
-    """One step's state of a model / optimizer / scheduler, ready to be snapshotted.
+    """One step's state of a model / optimizer / ``stateful`` object (an LR
+    scheduler, or several objects under names), ready to be snapshotted.
 
-    Build it right after ``optimizer.step()``; it holds references to the live
-    tensors, which ``copy_into`` reads from the snapshot thread.
+    Build it after ``optimizer.step()``; it holds references to the live
+    tensors, which ``copy_into`` reads from the snapshot thread (``stateful``'s
+    tensors are copied at once, when the snapshot starts).
 
     ``previous``: the source of the step before, of the same objects. A tensor that
     is the very object it was then, in the same place, with the same local shape
@@ -132,7 +141,7 @@ class TorchStateSource:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: Any = None, *, step: int,
+                 stateful: Any = None, *, step: int,
                  loader_state: Mapping[str, Any] | None = None, rng: bool = True,
                  stream: Any = None, previous: TorchStateSource | None = None) -> None:
         self._previous = previous
@@ -146,8 +155,10 @@ class TorchStateSource:
         self._add_model(model)
         if optimizer is not None:
             self._add_optimizer(optimizer)
-        if scheduler is not None:
-            self._meta["scheduler"] = _jsonable(scheduler.state_dict(), "scheduler state")
+        if stateful is not None:
+            self._meta["state"], tensors = encode_state(stateful.state_dict())
+            for index, tensor in enumerate(tensors):
+                self._add(f"{STATE}{index}", tensor, eager=True)
         if rng:
             self._add_rng()
         if self._shards:
@@ -266,9 +277,10 @@ class LoadedState:
 
 
 def load_train_state(manifest: Manifest, buffer: Bytes, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                     optimizer: torch.optim.Optimizer | None = None, stateful: Any = None,
                      *, restore_rng: bool = True) -> LoadedState:
     """Apply a verified state (restored or fetched) to live objects, at the commit point.
+    ``stateful`` (as given to ``TorchStateSource``) loads its part, if the state has one.
 
     Sharded live objects get this rank's shards, as DTensors on their own mesh;
     a state sharded otherwise than they are (or not at all) raises
@@ -284,8 +296,11 @@ def load_train_state(manifest: Manifest, buffer: Bytes, model: torch.nn.Module,
     meta = manifest.meta
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state(tensors, meta))
-    if scheduler is not None and "scheduler" in meta:
-        scheduler.load_state_dict(dict(meta["scheduler"]))
+    if stateful is not None and "state" in meta:
+        count = sum(1 for name in tensors if name.startswith(STATE))
+        # clones: the buffer behind these views is reused by the next snapshot or fetch
+        stateful.load_state_dict(decode_state(
+            meta["state"], [tensors[f"{STATE}{index}"].clone() for index in range(count)]))
     if restore_rng:
         _restore_rng(tensors, meta)
     return LoadedState(int(meta.get("step", manifest.step)), dict(meta.get("loader_state", {})))
@@ -395,3 +410,60 @@ def _jsonable(value: Any, what: str) -> Any:
         return value
     raise TypeError(f"{what} holds {type(value).__name__} {value!r:.80}, which a checkpoint "
                     f"cannot store as JSON")
+
+
+# Markers of what JSON has no value for; a dict of the state that holds one of these
+# keys itself is stored as a list of items, so no marker is ever the state's own key.
+_TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
+_MARKERS = frozenset((_TENSOR, _TUPLE, _ITEMS))
+
+
+def encode_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """A state dict as JSON, and its tensors, for the flat layout: each tensor is
+    replaced by its index in the list (and its device). Tuples, and dicts whose keys
+    are not all strings, keep their types through ``decode_state``: the state loads
+    back exactly as it was. Anything else raises ``UsageError`` naming where it is
+    (the first key is the registered object's name)."""
+    tensors: list[torch.Tensor] = []
+
+    def encode(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            return {_TENSOR: len(tensors) - 1, "device": str(value.device)}
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        if isinstance(value, np.generic) and isinstance(value.item(), bool | int | float):
+            return value.item()
+        if isinstance(value, tuple):
+            return {_TUPLE: [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            if all(isinstance(k, str) for k in value) and not _MARKERS & value.keys():
+                return {k: encode(v, f"{path}/{k}" if path else k) for k, v in value.items()}
+            return {_ITEMS: [[encode(k, f"{path} key {k!r}"), encode(v, f"{path}/{k!r}")]
+                             for k, v in value.items()]}
+        raise UsageError(
+            f"the state at {path!r} is a {type(value).__name__} ({value!r:.60}): a snapshot "
+            "holds tensors and plain values (numbers, strings, None, lists, tuples, dicts) only",
+            hint="make state_dict() return those (a numpy array: torch.from_numpy(array); an "
+                 "object: its own state_dict()), and load_state_dict() take them back")
+
+    return encode(state, ""), tensors
+
+
+def decode_state(encoded: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """What ``encode_state`` took apart, with ``tensors`` in their places (moved back
+    to the device each was on)."""
+    if isinstance(encoded, list):
+        return [decode_state(v, tensors) for v in encoded]
+    if not isinstance(encoded, dict):
+        return encoded
+    if _TENSOR in encoded:
+        tensor = tensors[encoded[_TENSOR]]
+        return tensor if encoded["device"] == str(tensor.device) else tensor.to(encoded["device"])
+    if _TUPLE in encoded:
+        return tuple(decode_state(v, tensors) for v in encoded[_TUPLE])
+    if _ITEMS in encoded:
+        return {decode_state(k, tensors): decode_state(v, tensors) for k, v in encoded[_ITEMS]}
+    return {k: decode_state(v, tensors) for k, v in encoded.items()}

@@ -96,6 +96,7 @@ class FtarGroup:
         self._position: RingPosition | None = None
         self._engine: RingEngine | None = None
         self._op_seq = 0
+        self._rings_built = 0
         self._window = max(1, -(-config.chunks_in_flight // config.sockets_per_peer))
         # links of torn-down rings, folded: (sent, received) totals
         self._retired = (LinkStats(), LinkStats())
@@ -129,6 +130,14 @@ class FtarGroup:
     def size(self) -> int:
         return self._position.size if self._position else 0
 
+    @property
+    def rings_built(self) -> int:
+        """How many rings this member has built (``reconfigure`` calls). Every frame
+        carries the count of operations since the ring was built, so an all-reduce that
+        succeeds is the same one since the build on every member: the first of some kind
+        on a new ring is the first on all of them (the worker's DDP layout check)."""
+        return self._rings_built
+
     def stats(self) -> FtarStats:
         out, inn = [self._retired[0]], [self._retired[1]]
         if self._engine is not None:
@@ -161,6 +170,7 @@ class FtarGroup:
             self._teardown()
             self._position = position
             self._op_seq = 0
+            self._rings_built += 1
             self._connector.enter(position)
             if position.size == 1:
                 return

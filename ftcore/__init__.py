@@ -22,20 +22,25 @@ from typing import TYPE_CHECKING, Any
 
 #: public name -> the module that defines it
 _PUBLIC = {
+    "FtBatchSampler": "ft_launch.launcher.worker.data",
+    "FtDataLoader": "ft_launch.launcher.worker.data",
     "FtOptimizer": "ft_launch.launcher.worker.torch_api",
     "Manager": "ft_launch.launcher.worker.manager",
     "ResidentAdamW": "ft_launch.ckpt.resident",
     "StepKind": "ft_launch.launcher.worker.protocol",
     "configure_logging": "ft_launch.logs",
+    "ft_init_device_mesh": "ft_launch.launcher.worker.mesh",
     "ft_manager": "ft_launch.launcher.worker.torch_api",
 }
 
-__all__ = ["FtOptimizer", "Manager", "ResidentAdamW", "StepKind", "configure_logging",
-           "ft_manager"]
+__all__ = ["FtBatchSampler", "FtDataLoader", "FtOptimizer", "Manager", "ResidentAdamW",
+           "StepKind", "configure_logging", "ft_init_device_mesh", "ft_manager"]
 
 if TYPE_CHECKING:
     from .ckpt.resident import ResidentAdamW
+    from .launcher.worker.data import FtBatchSampler, FtDataLoader
     from .launcher.worker.manager import Manager
+    from .launcher.worker.mesh import ft_init_device_mesh
     from .launcher.worker.protocol import StepKind
     from .launcher.worker.torch_api import FtOptimizer, ft_manager
     from .logs import configure_logging

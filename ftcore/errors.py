@@ -31,6 +31,9 @@ class ExitCode(enum.IntEnum):
     RECOVERABLE = 75  # EX_TEMPFAIL
     #: This node is unhealthy: drain it; the job may run elsewhere.
     NODE_UNHEALTHY = 76
+    #: A replica started after the run had finished: nothing to join (the controller
+    #: counts it finished, not failed).
+    RUN_FINISHED = 77
     #: Retrying cannot help (bad config, bug, data error): do not requeue.
     FATAL_NO_REQUEUE = 78  # EX_CONFIG
     #: Stopped by a terminal abort (operator or controller order).

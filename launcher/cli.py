@@ -1,4 +1,4 @@
-"""``ft-launch``: the command line. Subcommands: ``plan`` (dry run).
+"""``ft-launch``: the command line (``ft-launch --help`` lists the subcommands).
 
 Exit codes follow ``ft_launch.errors.ExitCode`` (2: bad input; 78: fatal, do not
 requeue; 75: transient, a requeue may help).
@@ -14,6 +14,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -56,6 +57,7 @@ from .worker.identity import (
     ENV_RUN_DIR,
     ENV_SECRET,
 )
+from .worker.local import LocalJob, LocalRun
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,30 @@ def build_parser() -> argparse.ArgumentParser:
                           "sets it: the allocation was made for this run)")
     run.add_argument("train_command", nargs=argparse.REMAINDER,
                      help="-- then the training command each rank runs")
+
+    local = sub.add_parser(
+        "local", help="run the training script's replicas on this machine, without Slurm",
+        description="Try a training loop before submitting it: the script runs as REPLICAS "
+                    "replicas of TASKS_PER_NODE ranks each, as local processes on loopback, "
+                    "with the same quorum, FTAR and state servers as under 'ft-launch run'. "
+                    "A replica that dies is started again and catches up from the others "
+                    "(--max-restarts); --kill shows that happen. Writes the run directory "
+                    "'ft-launch status' and 'ft-launch timeline' read.",
+        epilog="Example: ft-launch local --replicas 2 --kill 1@20 -- python train.py")
+    local.add_argument("--replicas", type=int, help="data-parallel replicas (job.replicas)")
+    local.add_argument("--tasks-per-node", type=int, metavar="RANKS",
+                       help="ranks per replica, each a process on this machine "
+                            "(job.tasks_per_node)")
+    local.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                       help="how many times each replica is started again after it "
+                            "failed (default 3)")
+    local.add_argument("--kill", action="append", default=[], metavar="REPLICA@STEP",
+                       help="SIGKILL replica REPLICA right after it commits step STEP, to "
+                            "watch it recover (repeatable)")
+    local.add_argument("--run-dir", type=Path,
+                       help="where the run writes (default: <run.log_dir>/local-<time>)")
+    local.add_argument("train_command", nargs=argparse.REMAINDER,
+                       help="-- then the training command each rank runs")
 
     witness = sub.add_parser(
         "witness", help="vote in a running job's quorum without training (a witness)",
@@ -326,6 +352,49 @@ def _run(args: argparse.Namespace, config: Config, slurm: SlurmCli) -> int:
     return code
 
 
+def command_local(args: argparse.Namespace, config: Config) -> int:
+    command = _train_command(args)
+    if not command:
+        raise UsageError("no training command", hint="ft-launch local -- python train.py ...")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+    kills = parse_kills(args.kill, config.job.replicas)
+    job_id = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run_dir = (args.run_dir or Path(config.run.log_dir) / job_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    config_path = save_config(config, run_dir)
+    configure_logging(args.log_level, run_dir / "controller.log")
+    ranks = config.job.nodes_per_replica * config.job.tasks_per_node
+    job = LocalJob(run_dir, config.job.replicas, command, {ENV_CONFIG: str(config_path)},
+                   ranks=ranks, job_id=job_id)
+    run = LocalRun(job, max_restarts=args.max_restarts, kills=kills)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: run.stop.set())
+    sys.stdout.write(f"local run: {config.job.replicas} replica(s) x {ranks} rank(s) of "
+                     f"{shlex.join(command)}\n  run directory  {run_dir}\n  follow         "
+                     f"ft-launch status --watch {run_dir}\n")
+    sys.stdout.flush()
+    code = run.run()
+    write_run_report(run_dir)
+    return code
+
+
+def parse_kills(items: Sequence[str], replicas: int) -> dict[int, int]:
+    """``--kill REPLICA@STEP`` items: replica -> step."""
+    kills = {}
+    for item in items:
+        replica, _, step = item.partition("@")
+        try:
+            replica_id, at = int(replica), int(step)
+        except ValueError:
+            raise UsageError(f"--kill {item!r}: expected REPLICA@STEP, e.g. 1@20") from None
+        if not 0 <= replica_id < replicas or at < 0:
+            raise UsageError(f"--kill {item!r}: replica must be 0..{replicas - 1} and the "
+                             "step 0 or more")
+        kills[replica_id] = at
+    return kills
+
+
 def node_targets(slurm: SlurmCli, nodes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     """``(name, address)`` of the allocation's nodes, the addresses from Slurm (its
     NodeAddr), or the names themselves where Slurm does not answer."""
@@ -457,6 +526,7 @@ def command_standby_size(args: argparse.Namespace, config: Config) -> int:
 
 
 COMMANDS = {"plan": command_plan, "run": command_run, "submit": command_submit,
+            "local": command_local,
             "status": command_status,
             "update": command_update, "timeline": command_timeline,
             "standby-size": command_standby_size, "witness": command_witness}

@@ -296,6 +296,12 @@ def _exited(state: ControllerState, event: StepExited, now: Now) -> Decision:
             return _faults(state, failing, now, why)
         run, _ = rc.decide(state.run, rc.ReplicaFinished(rid))
         return _finish(replace(state, run=run), [], now, f"replica {rid} finished")
+    if event.exit_code == ExitCode.RUN_FINISHED:
+        # started again after another replica had finished the run: nothing to join,
+        # and nothing a relaunch could do
+        run, _ = rc.decide(state.run, rc.ReplicaFinished(rid))
+        return _finish(replace(state, run=run), [], now,
+                       f"replica {rid} found the run finished: nothing to join")
     if event.exit_code == ExitCode.NODE_UNHEALTHY and nodes:
         reason = event.gate_reason or "health gate failed (its reason is in the replica's log)"
         return _faults(state, [rc.NodeFaulted(rid, nodes[0], reason)], now, why)

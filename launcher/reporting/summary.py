@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ft_launch.errors import ExitCode
 from ft_launch.events import NodeDrained
 
 from .. import events as controller_events
@@ -47,7 +48,8 @@ def summarize(run_dir: Path) -> Summary:
     useful = sum(min(g, 2 * step) for g in gaps) + step * len(by_replica)
     replicas = max(by_replica) + 1
     exits = [e for e in control if isinstance(e, controller_events.NodeFaultDetected)
-             or (isinstance(e, controller_events.ReplicaExited) and e.exit_code != 0)]
+             or (isinstance(e, controller_events.ReplicaExited)
+                 and e.exit_code not in (ExitCode.OK, ExitCode.RUN_FINISHED))]
     drained = sorted({e.node for e in control if isinstance(e, NodeDrained)})
     return Summary(
         replicas=replicas,

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ft_launch.errors import UsageError
+from ft_launch.errors import ExitCode, UsageError
 from ft_launch.events import Event, RunStarted
 from ft_launch.launcher.worker.events import StepCommitted
 
@@ -175,7 +175,7 @@ def replica_state(event: Event, versions_seen: dict[int, int]
     if isinstance(event, controller_events.NodeFaultDetected):
         return BandState.DOWN, MarkKind.FAILED
     if isinstance(event, controller_events.ReplicaExited):
-        if event.exit_code == 0:
+        if event.exit_code in (ExitCode.OK, ExitCode.RUN_FINISHED):  # 77: nothing to join
             return BandState.FINISHED, None
         return BandState.DOWN, MarkKind.FAILED
     if isinstance(event, versions.CodeVersionApplied):

@@ -79,6 +79,8 @@ class WorkerStopped(Event):
     ftar_ops_failed: int
     ftar_bytes_sent: int
     ftar_bytes_received: int
+    #: its script ended normally (the run is over), not by an error, SIGTERM or an exit
+    finished: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ A training loop::
 
     manager.start_step()              # returns at once: the quorum is asked beside forward
     loss = model.loss(batch_for(manager.data_position)); loss.backward()
-    manager.allreduce_gradients()     # waits for FTAR across replicas (hooks: during backward)
+    manager.allreduce_gradients()     # waits for FTAR across replicas (torch: done already,
+                                      # at the end of backward)
     if manager.commit():              # all ranks agree -> optimizer step
         ...                           # committed; else the step is retried
 
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from ft_launch.ckpt.errors import LayoutMismatchError, NoCheckpointError
 from ft_launch.ckpt.fetch import Peer
@@ -43,7 +44,7 @@ from ft_launch.ckpt.rank import RankCheckpointer, RankPlace
 from ft_launch.ckpt.restore import Restored, TierKind, peer_copies
 from ft_launch.ckpt.snapshot import DualBufferSnapshotter, StateSource
 from ft_launch.config import Config
-from ft_launch.errors import FtError, RecoverableError, TerminalAbort
+from ft_launch.errors import ExitCode, FatalError, FtError, RecoverableError, TerminalAbort
 from ft_launch.events import EventLog
 from ft_launch.ftar import FtarGroup, ReduceOp
 from ft_launch.launcher.heartbeat import ControllerWatchThread
@@ -69,6 +70,17 @@ from .events import (
     WorkerStopped,
 )
 from .exchange import Job, StepWork
+from .exits import (
+    FinishedRun,
+    NoQuorum,
+    ended_by_error,
+    ending,
+    mark_finished,
+    nothing_to_join,
+    run_finished,
+    track,
+    untrack,
+)
 from .faults import SPIKE_SCALE, FaultInjector, FaultPoint
 from .identity import WorkerIdentity
 from .ledger import DataLedger, StepContribution
@@ -125,7 +137,10 @@ class TrainState(Protocol):
 
     def reduce_gradients(self, reduction: Reduction) -> None: ...   # after backward
     def finish_gradients(self) -> None: ...   # all reductions done: gradients final
-    def zero_gradients(self) -> None: ...
+    def zero_gradients(self) -> None: ...     # the step is dropped
+    def begin_step(self) -> None: ...         # a step starts (a dropped one's effects undone)
+    def set_gradient_sync(self, sync: bool) -> bool: ...   # Manager.no_sync; the old setting
+    def register_state(self, name: str, obj: Any) -> None: ...   # see Manager.register_state
     def apply(self, lr_factor: float) -> None: ...        # the optimizer step
     def snapshot_source(self, step: int, loader_state: Mapping[str, Any]) -> StateSource: ...
     def bind_snapshots(self, snapshots: DualBufferSnapshotter) -> None: ...
@@ -140,6 +155,12 @@ class Manager:
         self._state = state
         self._batch_size = batch_size
         self._group = group or SoloGroup()
+        # A replica started after the run finished has nothing to join: it ends before
+        # it starts anything (rank 0 reads the mark, so every rank ends alike).
+        (finished,) = self._group.broadcast((run_finished(identity),) if identity.rank == 0
+                                            else None)
+        if finished is not None:
+            raise nothing_to_join(finished, identity)
         self._ledger = DataLedger(identity.num_replicas)
         self._next_step = 0
         self._budget = FailureBudget(config.runtime.max_consecutive_failures)
@@ -185,6 +206,7 @@ class Manager:
         self._started = False
         self._exchanged = False
         self._plan: StepPlan | None = None
+        self._unsnapshotted: int | None = None   # committed, its snapshot not started yet
         # the last quorum's members: a step's plan is cleared when it starts, and the
         # lowest of these saves the state when the controller is lost (controller_loss)
         self._last_members: tuple[int, ...] = ()
@@ -224,6 +246,8 @@ class Manager:
             self._audit.restored(self._next_step - 1, self._rollbacks.history)
         self._events.emit(WorkerStarted(replica_id=identity.replica_id, rank=identity.rank,
                                        next_step=self._next_step))
+        self._closing = False
+        track(self)     # closed at interpreter exit if the script does not; SIGTERM stops it
 
     # ------------------------------------------------------------------ state
 
@@ -248,6 +272,11 @@ class Manager:
     def positions(self) -> list[int]:
         """Samples of every replica's stream consumed by committed steps."""
         return list(self._ledger.positions)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples a training step of this replica consumes (all its ranks together)."""
+        return self._batch_size
 
     @property
     def data_position(self) -> int:
@@ -336,7 +365,16 @@ class Manager:
 
     def start_step(self) -> None:
         """Start the next step: the quorum is asked on the exchange thread, so this
-        returns at once and forward runs beside it. ``plan`` waits for the answer."""
+        returns at once and forward runs beside it. ``plan`` waits for the answer.
+        Nothing to do if the step is started already (the model's forward starts it).
+
+        The step committed last is snapshotted first: what the loop did after its
+        ``optimizer.step()`` (``scheduler.step()``, the script's counters) belongs to
+        it, so a replica that catches up from it continues from there exactly."""
+        if self._started:
+            return
+        self._state.begin_step()
+        self._snapshot_committed()
         self._error, self._contribution, self._catch_up, self._plan = None, None, None, None
         self._loss_scale = 1.0
         # what the commit reports of the step: its time, the time this rank waited for
@@ -345,6 +383,13 @@ class Manager:
         self._plan_ready.clear()
         self._started, self._exchanged = True, False
         self._work.begin(self._settle_step)
+
+    def _snapshot_committed(self) -> None:
+        """Start the snapshot of the step committed last, unless it is started."""
+        if self._unsnapshotted is not None:
+            step, self._unsnapshotted = self._unsnapshotted, None
+            self._ckpt.after_optimizer_step(step, self._state.snapshot_source(
+                step, self._loader_state()))
 
     def _settle_step(self) -> None:
         """On the exchange thread: the quorum, the ring, the catch-up fetch, and the
@@ -390,9 +435,13 @@ class Manager:
         ``runtime.max_consecutive_failures``. Attempts are paced one join window
         apart: a replica that cannot reach a majority is answered at once, and
         unpaced retries would spend the whole budget in milliseconds instead of
-        waiting for the others to come back."""
+        waiting for the others to come back. Once the budget is spent the replica
+        ends (``NoQuorum``); once the run has finished, at once (``NothingToJoin``)."""
+        waiting = time.monotonic()
+        attempts = 0
         while True:
             attempt_started = time.monotonic()
+            attempts += 1
             try:
                 view = self._quorum_view()
                 plan = plan_step(view, self._identity.replica_id, self._identity.rank,
@@ -403,9 +452,25 @@ class Manager:
             except RecoverableError as error:
                 log.warning("no quorum for step %d yet: %s", self._next_step, error)
                 if not isinstance(error, OtherHistoryError):   # a rollback: nobody's fault
-                    self._budget.failed(error, self._next_step)
+                    try:
+                        self._budget.failed(error, self._next_step)
+                    except FatalError:
+                        raise self._no_quorum(error, attempts,
+                                              time.monotonic() - waiting) from error
                 time.sleep(max(0.0, attempt_started + self._config.quorum.join_timeout
                                - time.monotonic()))
+
+    def _no_quorum(self, error: RecoverableError, attempts: int, waited: float) -> NoQuorum:
+        """The exit of a replica whose failure budget ran out waiting for a quorum."""
+        me, budget = self._identity, self._budget.limit
+        message = (f"replica {me.replica_id} rank {me.rank} could not join: no quorum for "
+                   f"step {self._next_step} in {waited:.1f} s ({attempts} attempt(s); the "
+                   f"last: {error}); the other replicas are gone or unreachable. "
+                   f"runtime.max_consecutive_failures = {budget} bounds this wait (each "
+                   "attempt waits up to quorum.join_timeout + quorum.member_timeout + 4 x "
+                   f"quorum.election_timeout); exit {int(ExitCode.RECOVERABLE)}")
+        log.error("%s", message)
+        return ending(NoQuorum(message))
 
     def _route_backups(self, view: QuorumView) -> None:
         """A new quorum: this rank's backup goes to the rank the placement picks over
@@ -416,7 +481,7 @@ class Manager:
 
     def _quorum_view(self) -> QuorumView:
         """Rank 0 asks the quorum; every rank of the replica gets its answer (or error)."""
-        answer: QuorumView | ControllerLostNotice | str | None = None
+        answer: QuorumView | ControllerLostNotice | FinishedRun | str | None = None
         notice = None
         if self._controller is not None and self._controller.lost.is_set():
             notice = ControllerLostNotice(self._controller.reason)
@@ -424,10 +489,13 @@ class Manager:
             try:
                 answer = self._ask_quorum()
             except RecoverableError as error:
-                answer = str(error)
+                # no quorum now: if because the run finished, none will ever come
+                answer = run_finished(self._identity) or str(error)
         if notice is not None and not isinstance(answer, QuorumView):
             answer = notice   # no step to stop at with the others: stop now
         answer, self._stopping = self._group.broadcast((answer, notice))
+        if isinstance(answer, FinishedRun):
+            raise nothing_to_join(answer, self._identity)
         if isinstance(answer, ControllerLostNotice):
             self._end_without_controller(answer.reason)
         if isinstance(answer, str):
@@ -464,22 +532,63 @@ class Manager:
 
     def allreduce_gradients(self) -> None:
         """Finish the cross-replica average of this step's gradients (this rank's
-        ring): what hooks did not hand over is reduced now, then everything queued
-        is awaited. The gradients are final afterwards (clip them here)."""
-        if self._exchanged:
-            return
+        ring): what hooks did not hand over is reduced now (once a step), then
+        everything queued is awaited. The gradients are final afterwards.
+
+        The torch front end calls it at the end of every backward that synchronises
+        gradients (``torch_api``), so a script need not: clipping right after
+        ``loss.backward()`` sees the average. Called again it only waits for what
+        hooks queued since (a DDP or FSDP2 backward that synchronised once more)."""
         if not self._started:
+            if self._exchanged:    # the step committed or was dropped: nothing left
+                return
             raise RuntimeError("start_step() first")
-        self.reduce_gradients(self._state.reduce_gradients)
+        if not self._exchanged:
+            self._exchanged = True
+            self.reduce_gradients(self._state.reduce_gradients)
         waiting = time.monotonic()
         error = self._work.wait()
         self._waited += time.monotonic() - waiting
-        self._exchanged = True
         if error is not None:
             self._error = error.with_ids(replica_id=self._identity.replica_id,
                                          rank=self._identity.rank)
             return
         self._state.finish_gradients()
+
+    @property
+    def gradients_exchanged(self) -> bool:
+        """This step's gradients went to the cross-replica average (``allreduce_gradients``
+        ran): a later backward's would reach no other replica unless hooks hand them
+        over (DDP, FSDP2)."""
+        return self._exchanged
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation on a plain module, DDP's idiom: ``with
+        manager.no_sync(): loss.backward()`` for every micro-batch but the last. A
+        backward inside keeps its gradients to this replica (accumulated in
+        ``.grad``); the last backward, outside, averages the sum across replicas, so
+        a step makes one exchange whatever its micro-batches (and ``batch_size`` is
+        the replica's samples of all of them). Without it, a second backward after
+        the step's exchange is refused (``UsageError``): its gradients would stay this
+        replica's own. DDP and FSDP2 models use their own (``model.no_sync()``,
+        ``model.set_requires_gradient_sync(False)``)."""
+        previous = self._state.set_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._state.set_gradient_sync(previous)
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Keep ``obj`` in every snapshot under ``name``: anything with ``state_dict()``
+        and ``load_state_dict()`` (an LR scheduler, a data loader, an RNG holder, the
+        script's own counters), the same on every replica. It rides in catch-up, peer
+        backups and the persistent tier, and is loaded where they are: a replica that
+        catches up or restarts continues the schedule at the right step. Its state is
+        taken when the next step starts (``start_step``); a dropped step's changes to
+        it (a ``scheduler.step()`` after a ``step()`` that returned False) are undone.
+        Register before the first ``optimizer.step()``."""
+        self._state.register_state(name, obj)
 
     @contextmanager
     def training_step(self) -> Iterator[None]:
@@ -516,9 +625,9 @@ class Manager:
         self._ledger.commit(self._contribution)
         self._write_audit(plan, positions_before)
         self._next_step = plan.step + 1
-        # the ledger rides in the snapshot: whoever restores it resumes every stream
-        self._ckpt.after_optimizer_step(plan.step, self._state.snapshot_source(
-            plan.step, self._loader_state()))
+        # snapshotted when the next step starts, with the ledger (whoever restores it
+        # resumes every stream) and what the loop does after this (start_step)
+        self._unsnapshotted = plan.step
         self._budget.succeeded()
         self._events.emit(StepCommitted(
             replica_id=self._identity.replica_id, rank=self._identity.rank, step=plan.step,
@@ -681,25 +790,54 @@ class Manager:
         self._audit.step(plan.step, plan.quorum_id, positions_before,
                          list(self._contribution.counts), self._rollbacks.history)
 
+    @property
+    def closing(self) -> bool:
+        """``close()`` has begun (it runs once)."""
+        return self._closing
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()      # sees the exception leaving the block, if any (sys.exc_info)
+
     def close(self) -> None:
-        # Called from the training script's ``finally``: with no exception on its way
-        # the run is over, and the backups held on this node are of no more use
-        # (after a crash or a kill they are kept: the job's next incarnation needs them).
-        finished = sys.exc_info()[0] is None
+        """Stop this rank's runtime: quorum agent, exchange thread, state server, FTAR;
+        then ``WorkerStopped``. Idempotent; leaving ``with ft_manager(...) as manager:``
+        calls it, and so does the interpreter's exit if the script did not (``exits``).
+
+        Called with no exception on its way (and none that ended the script), the
+        run is over: this replica marks it finished and the backups held on this node
+        are discarded. After a crash, a SIGTERM or a kill they are kept, as the job's
+        next incarnation needs them, unless the run has finished meanwhile."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._close(finished=sys.exc_info()[0] is None and not ended_by_error())
+        finally:
+            untrack(self)
+
+    def _close(self, finished: bool) -> None:
+        me = self._identity
+        if finished:
+            self._snapshot_committed()    # the last step's (see start_step)
+            if me.rank == 0:              # first: a replica waiting to join reads it
+                mark_finished(me, self._next_step - 1)
         if self._controller is not None:
             self._controller.stop()
         if self._agent is not None:
             self._agent.stop()
         self._work.close()
         self._ckpt.wait_persisted(self._config.ckpt.fetch_timeout)
-        if finished:
+        if finished or run_finished(me) is not None:
             self._ckpt.discard_held()
         self._ckpt.close()
         self._ftar.close()
         stats = self._ftar.stats()
         self._events.emit(WorkerStopped(
-            replica_id=self._identity.replica_id, rank=self._identity.rank,
-            next_step=self._next_step, ftar_ops=stats.ops_completed,
-            ftar_ops_failed=stats.ops_failed, ftar_bytes_sent=stats.bytes_sent,
-            ftar_bytes_received=stats.bytes_received))
+            replica_id=me.replica_id, rank=me.rank, next_step=self._next_step,
+            ftar_ops=stats.ops_completed, ftar_ops_failed=stats.ops_failed,
+            ftar_bytes_sent=stats.bytes_sent, ftar_bytes_received=stats.bytes_received,
+            finished=finished))
         self._events.close()

@@ -9,26 +9,59 @@ An FSDP2 script adopts it in a few lines; the loop stays the script's own::
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     manager = ft_manager(model, optimizer, batch_size=16)    # + the worker env
-    optimizer = FtOptimizer(manager)
+    optimizer = FtOptimizer(manager)           # a torch.optim.Optimizer
+    scheduler = LambdaLR(optimizer, schedule)  # any torch LR scheduler, or none
+    manager.register_state("scheduler", scheduler)   # rides in every snapshot
     while manager.next_step < steps:
-        optimizer.zero_grad()                  # starts the step; the quorum runs beside
-        loss = model.loss(*batch(manager.data_position))
-        loss.backward()                        # FTAR per FSDP unit, beside backward
-        manager.allreduce_gradients()          # (only to clip: gradients are final here)
+        optimizer.zero_grad()                  # here or at the end of the loop body
+        for micro in range(accumulation):      # batch_size: all micro-batches together
+            model.set_requires_gradient_sync(micro == accumulation - 1)
+            loss = model(*batch(manager.data_position, micro)) / accumulation
+            loss.backward()                    # the first forward starts the step (the
+                                               # quorum runs beside it); FTAR per FSDP unit
+        clip_grad_norm_(model.parameters(), 1.0)   # final: the replicas' average
         optimizer.step()                       # commits, or drops the step on every rank
+        scheduler.step()
 
-``with manager.training_step(): ...`` is the same as ``zero_grad`` + backward +
-``allreduce_gradients``; the explicit ``start_step / allreduce_gradients / commit``
-loop of ``Manager`` works too. DDP models reduce in a comm hook; any other model's
-gradients are reduced after backward (averaged over the replica's ranks first).
+A step starts at the model's first forward with autograd on (``start_step``; an
+eval forward under ``torch.no_grad()`` starts none), and ends at
+``optimizer.step()``. The learning rate of a step is whatever the param groups
+hold when it commits (set by the scheduler, or by the script: a manual schedule
+sets ``group["lr"] = lr_at(manager.next_step)`` before the step's forward:
+``next_step`` is the step being committed; a replica that catches up steps with
+the rate the others set, which rides in the snapshot it loads); the replica LR
+factor (``runtime.lr_scaling``) multiplies it for the optimizer's step only, and
+the script's value is put back right after.
+
+**Gradients are final when backward returns**, for every kind of model: a
+backward that synchronises gradients ends with this step's exchange across
+replicas done (``torch_hooks.BackwardEnd``), so ``clip_grad_norm_`` right after
+it clips by the global norm (FSDP2's DTensor gradients: the norm over the shards,
+of the replicas' average, as native HSDP's) and ``scaler.unscale_`` sees the
+average. DDP models reduce in a comm hook, FSDP2 models in the all-reduce hook of
+each unit, both during backward; a plain module's gradients are reduced at the end
+of backward (averaged over the replica's ranks first). One exchange a step:
+accumulate over micro-batches with the model's own no-sync, DDP's ``no_sync()``
+(or ``require_backward_grad_sync``), FSDP2's ``set_requires_gradient_sync(False)``,
+and for a plain module ``with manager.no_sync(): loss.backward()``, for every
+micro-batch but the last (a plain module's backward after the step's exchange is
+refused: its gradients would stay this replica's own). ``batch_size`` is the
+replica's samples of the whole step, all micro-batches together.
+
+``manager.allreduce_gradients()`` has nothing left to do after such a backward;
+loops that call it work as before: ``with manager.training_step(): ...`` (start
+the step, backward, ``allreduce_gradients``) and the explicit ``start_step /
+allreduce_gradients / commit`` loop of ``Manager``.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import os
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,7 +70,14 @@ import torch.distributed as dist
 from ft_launch.ckpt.manifest import Bytes, Manifest
 from ft_launch.ckpt.resident import Residency, ResidentAdam
 from ft_launch.ckpt.snapshot import DualBufferSnapshotter
-from ft_launch.ckpt.torch_state import TorchStateSource, is_sharded, load_train_state, local_tensor
+from ft_launch.ckpt.torch_state import (
+    TorchStateSource,
+    decode_state,
+    encode_state,
+    is_sharded,
+    load_train_state,
+    local_tensor,
+)
 from ft_launch.config import Config, load_config
 from ft_launch.errors import UsageError
 
@@ -45,18 +85,57 @@ from .faults import node_sdc_probe
 from .identity import ENV_CONFIG, ENV_INCARNATION, WorkerIdentity
 from .manager import Manager, Reduction
 from .replay import replay_manager, replay_requested
-from .torch_hooks import DdpExchange, FsdpExchange, corrupt_gradients_while, reduce_gradient
+from .torch_hooks import (
+    BackwardEnd,
+    DdpExchange,
+    FsdpExchange,
+    corrupt_gradients_while,
+    reduce_gradient,
+    scaler_found_inf,
+)
 
 __all__ = ["FtOptimizer", "Manager", "TorchReplicaGroup", "TorchTrainState", "ft_manager"]
 
 log = logging.getLogger(__name__)
 
 
+class RegisteredState:
+    """The objects a script keeps in its snapshots (``Manager.register_state``), by
+    name: one ``stateful`` for ``ft_launch.ckpt.torch_state``.
+
+    A state loaded before its object is registered (restored when the manager
+    started, before the script built its scheduler) waits in ``pending``: it rides
+    in snapshots as it was, and is loaded when the object is registered."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+        self.pending: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.pending, **{name: obj.state_dict() for name, obj in self.objects.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name, value in state.items():
+            if name in self.objects:
+                self.objects[name].load_state_dict(value)
+            else:
+                self.pending[name] = value
+        for name in sorted(self.objects.keys() - state.keys()):
+            log.warning("the state loaded holds nothing registered as %r: it keeps its own "
+                        "(saved by a script that did not register it)", name)
+
+    def copy(self) -> Any:
+        """The state now, detached from the objects (tensors cloned), as a load gets it."""
+        encoded, tensors = encode_state(self.state_dict())
+        return decode_state(encoded, [t.clone() for t in tensors])
+
+
 class TorchTrainState:
     """A model + optimizer for the step protocol: gradient reduction (hooks, or all
-    of them after backward), the optimizer step with a scaled learning rate,
-    snapshots and loading through ``ft_launch.ckpt.torch_state``. Sharded (FSDP2) parameters
-    are handled as this rank's local shards, in their own dtypes.
+    of them after backward), the optimizer step with the replica's LR factor on the
+    script's learning rate, snapshots and loading through
+    ``ft_launch.ckpt.torch_state`` (with the script's registered objects). Sharded
+    (FSDP2) parameters are handled as this rank's local shards, in their own dtypes.
 
     With a ``ft_launch.ckpt.resident.ResidentAdam`` optimizer the parameters and moments
     live in the snapshot buffers (no copy per step, see ``ckpt/resident.py``)."""
@@ -67,11 +146,26 @@ class TorchTrainState:
         self.optimizer = optimizer
         self.group = group
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.registered = RegisteredState()
+        #: this step commits without an optimizer update (FtOptimizer.step)
+        self.skip_update = False
         self.residency: Residency | None = None
         self.hooks: FsdpExchange | DdpExchange | None = None
+        self.backward_end: BackwardEnd | None = None
+        #: Manager.no_sync: backward passes keep their gradients to the replica
+        self.gradient_sync = True
+        self._manager: Manager | None = None
+        self._accumulated = False   # a parameter took a gradient in this backward
+        self._watched: set[int] = set()   # parameters with the post-accumulate hook
         self._flat: dict[torch.dtype, torch.Tensor] = {}
         self._last_source: TorchStateSource | None = None
+        self._stepped = False   # the optimizer stepped once: the registrations are closed
+        self._began = False
+        #: the registered objects and hyper-parameters when a step was dropped, put
+        #: back when the next one begins
+        self._dropped_at: tuple[Any, list[dict[str, Any]]] | None = None
+        #: the hyper-parameters last loaded with the optimizer (restored, fetched)
+        self._loaded_hyperparameters: list[dict[str, Any]] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -79,18 +173,97 @@ class TorchTrainState:
 
     def install_hooks(self, manager: Manager) -> None:
         """Reduce during backward (FSDP2's all-reduce hook, DDP's comm hook), unless
-        ``runtime.overlap_backward`` is off; then everything after backward."""
-        if not manager.config.runtime.overlap_backward:
+        ``runtime.overlap_backward`` is off or the model is plain; then everything at
+        the end of backward. Either way a backward that synchronises gradients
+        returns with them final (``end_of_backward``)."""
+        self._manager = manager
+        self.backward_end = BackwardEnd(self.model, self.end_of_backward)
+        if manager.config.runtime.overlap_backward:
+            if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+                self.hooks = DdpExchange(self.model, manager.reduce_gradients,
+                                         scaled=lambda: self.scaled)
+            elif self.sharded:
+                self.hooks = FsdpExchange(self.model, manager.reduce_gradients,
+                                          scaled=lambda: self.scaled,
+                                          on_gradients=self.backward_end.gradients_reached)
+        if self.hooks is None:
+            self._watch(self.params)
+
+    def _watch(self, params: list[torch.nn.Parameter]) -> None:
+        """Note when a backward gives these parameters gradients (FSDP2 calls the hook
+        of a sharded parameter when it reduced the gradient: at a synchronising
+        backward only)."""
+        def accumulated(param: torch.Tensor) -> None:
+            self._accumulated = True
+            assert self.backward_end is not None
+            self.backward_end.gradients_reached()
+        for param in params:
+            if id(param) not in self._watched:
+                self._watched.add(id(param))
+                param.register_post_accumulate_grad_hook(accumulated)
+
+    def end_of_backward(self) -> None:
+        """The last thing of every backward through the model (``BackwardEnd``): one
+        that synchronised the gradients (DDP's or FSDP2's hooks ran, or a parameter
+        of a plain module took a gradient outside ``manager.no_sync()``) finishes the
+        step's exchange, so its gradients are the replicas' average when backward
+        returns. One exchange a step: a plain module's backward after it is refused,
+        as its gradients would stay this replica's own (DDP and FSDP2 hand theirs over
+        in their hooks, as natively every synchronising backward reduces)."""
+        manager = self._manager
+        accumulated, self._accumulated = self._accumulated, False
+        if manager is None or not manager.step_started:
             return
+        if self.hooks is not None:
+            if self.hooks.calls:
+                manager.allreduce_gradients()
+            return
+        if not accumulated or not self._synchronising():
+            return
+        if manager.gradients_exchanged:
+            raise UsageError(
+                f"a backward in step {manager.next_step} gave the parameters gradients "
+                "after the step's were averaged across replicas: they would stay this "
+                "replica's own", hint=self._accumulation_hint())
+        manager.allreduce_gradients()
+
+    def _synchronising(self) -> bool:
+        """Whether a backward through a model without exchange hooks synchronises."""
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            self.hooks = DdpExchange(self.model, manager.reduce_gradients)
-        elif self.sharded:
-            self.hooks = FsdpExchange(self.model, manager.reduce_gradients)
+            return bool(self.model.require_backward_grad_sync)
+        return self.gradient_sync   # FSDP2 (overlap off): its hook ran, it synchronised
+
+    def _accumulation_hint(self) -> str:
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return ("accumulate gradients under DDP's own: forward and backward of every "
+                    "micro-batch but the last inside `with model.no_sync():`")
+        if self.sharded:
+            return ("accumulate gradients with FSDP2's own: "
+                    "model.set_requires_gradient_sync(False) for every micro-batch but the "
+                    "last, True for the last")
+        return ("accumulate gradients with `with manager.no_sync(): loss.backward()` for "
+                "every micro-batch but the last: the last backward averages their sum, once")
+
+    def set_gradient_sync(self, sync: bool) -> bool:
+        """``Manager.no_sync``: a plain module's; DDP and FSDP2 models have their own."""
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) or self.sharded:
+            raise UsageError("manager.no_sync() is for plain modules",
+                             hint=self._accumulation_hint())
+        previous, self.gradient_sync = self.gradient_sync, sync
+        return previous
+
+    @property
+    def scaled(self) -> bool:
+        """A GradScaler is registered: the gradients are its scaled ones, and Inf/NaN
+        in their average is for it to skip (``torch_hooks.reduce_gradient``)."""
+        return any(isinstance(obj, torch.amp.GradScaler) and obj.is_enabled()
+                   for obj in self.registered.objects.values())
 
     def bind_snapshots(self, snapshots: DualBufferSnapshotter) -> None:
         if isinstance(self.optimizer, ResidentAdam):
             try:
-                self.residency = Residency(self.model, self.optimizer, snapshots)
+                self.residency = Residency(self.model, self.optimizer, snapshots,
+                                           stateful=self.registered)
             except TypeError as why:   # it stays an ordinary in-place Adam
                 log.warning("optimizer state not resident, snapshots copy it: %s", why)
 
@@ -102,7 +275,9 @@ class TorchTrainState:
             if self.hooks.calls == 0:
                 raise UsageError("no gradient reached the all-reduce hooks this step",
                                  hint="every rank must run forward and backward every step "
-                                      "(a catching-up replica contributes zeros)")
+                                      "(a catching-up replica contributes zeros), the last "
+                                      "micro-batch's backward synchronising (outside DDP's "
+                                      "no_sync(); FSDP2: set_requires_gradient_sync(True))")
             return
         replicated_by_hand = (self.group is not None and self.group.ranks > 1
                               and not self.sharded and not isinstance(
@@ -112,7 +287,7 @@ class TorchTrainState:
                 if replicated_by_hand:  # the replica's ranks trained on different samples
                     assert self.group is not None
                     self.group.average_tensor(flat)
-                reduce_gradient(reduction, flat)
+                reduce_gradient(reduction, flat, self.scaled)
             self._scatter()
 
     def _gather(self) -> dict[torch.dtype, torch.Tensor]:
@@ -155,61 +330,252 @@ class TorchTrainState:
             self.hooks.finish()
 
     def zero_gradients(self) -> None:
+        """The step is dropped (the manager retries it): its gradients go, and what
+        the loop changes after ``optimizer.step()`` returned False (a scheduler's
+        step, a counter) is undone when the next step begins (``begin_step``): as of
+        now, before the loop goes on, the registered objects and the optimizer's
+        hyper-parameters are as the dropped step found them."""
         if self.hooks is not None:
             self.hooks.reset()
         self.optimizer.zero_grad(set_to_none=True)
+        self._dropped_at = self.registered.copy(), self._hyperparameters()
+
+    def begin_step(self) -> None:
+        if self.backward_end is not None:
+            self.backward_end.reset()
+        if self._dropped_at is not None:
+            objects, hyperparameters = self._dropped_at
+            self._dropped_at = None
+            self.registered.load_state_dict(objects)
+            self._set_hyperparameters(hyperparameters)
+        if not self._began:
+            self._began = True
+            for name in sorted(self.registered.pending):
+                log.warning("the state restored holds %r, which the script did not register "
+                            "before its first step: it is kept in the snapshots, unused "
+                            "(manager.register_state(%r, obj) loads it)", name, name)
 
     # ------------------------------------------------------------------ the step, state
 
     def apply(self, lr_factor: float) -> None:
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * lr_factor
-        self.optimizer.step()
+        """The optimizer step at the learning rate the script (or its scheduler) set
+        for this step, times ``lr_factor``; the script's value is put back after."""
+        self._stepped = True
+        if self.skip_update:    # the GradScaler found Inf/NaN: no update, as natively
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        groups = self.optimizer.param_groups
+        scripts = [group["lr"] for group in groups]
+        if lr_factor != 1.0:
+            for group, lr in zip(groups, scripts):
+                group["lr"] = lr * lr_factor
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(groups, scripts):
+                group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """``Manager.register_state``: checked now (what a snapshot cannot hold fails
+        here, naming where it is), then loaded at once if a restored state holds it."""
+        if self._stepped:
+            raise UsageError(f"register_state({name!r}) after the first optimizer step",
+                             hint="register every object before the training loop: each "
+                                  "snapshot, restore and catch-up holds the same objects")
+        if not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
+            raise UsageError(f"register_state({name!r}): a {type(obj).__name__} has no "
+                             "state_dict() and load_state_dict()",
+                             hint="register an object with both (torch's schedulers, "
+                                  "StatefulDataLoader, or a small class of the script's)")
+        if name in self.registered.objects:
+            raise UsageError(f"register_state({name!r}): that name is registered already",
+                             hint="give each object a name of its own")
+        try:
+            encode_state({name: obj.state_dict()})
+        except UsageError as error:
+            raise UsageError(f"register_state({name!r}), a {type(obj).__name__}: "
+                             f"{error.message}", hint=error.hint) from None
+        self.registered.objects[name] = obj
+        if name in self.registered.pending:
+            obj.load_state_dict(self.registered.pending.pop(name))
+            # An LR scheduler built since the restore has set the learning rate it
+            # starts with; the restored one is the step's.
+            if self._loaded_hyperparameters is not None:
+                self._set_hyperparameters(self._loaded_hyperparameters)
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """``FtOptimizer.add_param_group``: parameters of the model only (a snapshot
+        holds the model's), reduced from the next step on."""
+        if isinstance(self.optimizer, ResidentAdam):
+            raise UsageError("add_param_group on a ResidentAdam: its state lives in snapshot "
+                             "buffers laid out when it was built",
+                             hint="build it with every parameter group, or use "
+                                  "torch.optim.AdamW")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        mine = {id(p) for p in self.model.parameters()}
+        for param in params:
+            tensor = param[1] if isinstance(param, tuple) else param
+            if id(tensor) not in mine:
+                raise UsageError(f"add_param_group: a parameter of shape {tuple(tensor.shape)} "
+                                 "is not a parameter of the model given to ft_manager",
+                                 hint="a replica that catches up gets the model's parameters "
+                                      "only; make it a parameter of the model")
+        self.optimizer.add_param_group(group)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._flat = {}
+        if self._watched:
+            self._watch(self.params)
+
+    def load_optimizer_state(self, state_dict: Mapping[str, Any]) -> None:
+        """``FtOptimizer.load_state_dict``: the script's own checkpoint."""
+        if self.residency is not None:
+            self.residency.release()  # loading must not write into a snapshot
+        self.optimizer.load_state_dict(state_dict)  # type: ignore[arg-type]
+
+    def _hyperparameters(self) -> list[dict[str, Any]]:
+        return [copy.deepcopy({k: v for k, v in group.items() if k != "params"})
+                for group in self.optimizer.param_groups]
+
+    def _set_hyperparameters(self, saved: list[dict[str, Any]]) -> None:
+        for group, values in zip(self.optimizer.param_groups, saved):
+            group.update(copy.deepcopy(values))
 
     def snapshot_source(self, step: int, loader_state: Mapping[str, Any]) -> TorchStateSource:
         if self.residency is not None:
             return self.residency.source(step, loader_state)
         # the step before's source: what is the same object as then is not described anew
-        self._last_source = TorchStateSource(self.model, self.optimizer, step=step,
-                                             loader_state=loader_state,
+        self._last_source = TorchStateSource(self.model, self.optimizer, self.registered,
+                                             step=step, loader_state=loader_state,
                                              previous=self._last_source)
         return self._last_source
 
     def load(self, manifest: Manifest, buffer: Bytes) -> Mapping[str, Any]:
         if self.residency is not None:
             self.residency.release()  # loading must not write into a snapshot
-        return load_train_state(manifest, buffer, self.model, self.optimizer).loader_state
+        loaded = load_train_state(manifest, buffer, self.model, self.optimizer, self.registered)
+        self._loaded_hyperparameters = self._hyperparameters()
+        return loaded.loader_state
 
 
-class FtOptimizer:
-    """The optimizer of a ``ft_manager``: ``zero_grad`` starts a step (unless one is
-    started), ``step`` commits it: the wrapped optimizer steps only if every rank
-    of the replica finished the step's all-reduce. ``step`` returns whether it did."""
+class FtOptimizer(torch.optim.Optimizer):
+    """The optimizer of a ``ft_manager``, a ``torch.optim.Optimizer``: torch's LR
+    schedulers take it, and what they set is what the wrapped optimizer
+    (``.optimizer``) steps with: ``param_groups``, ``state`` and ``defaults`` are
+    the wrapped optimizer's own objects.
+
+    ``step()`` commits the step: the wrapped optimizer steps only if every rank of
+    the replica finished the step's all-reduce; it returns whether it did (False:
+    the step is dropped on every rank, and is trained again). ``step(loss=...)``
+    puts this rank's loss into the commit event. Step hooks
+    (``register_step_pre_hook`` / ``register_step_post_hook``) run around the
+    commit. ``zero_grad`` may come at the start or at the end of the loop body: the
+    model's forward starts a step. ``state_dict``, ``load_state_dict`` (a script
+    resuming from its own checkpoint) and ``add_param_group`` are the wrapped
+    optimizer's; its state-dict hooks are shared with this one. A
+    ``torch.amp.GradScaler`` steps it as natively (``scaler.step(optimizer)``) once
+    registered (``manager.register_state("scaler", scaler)``): every replica's scaler
+    sees the same averaged gradients, a step where it finds Inf/NaN commits without
+    an update, and its scale rides in every snapshot."""
+
+    #: GradScaler.step calls step() even where it finds Inf/NaN (``scaler_found_inf``).
+    _step_supports_amp_scaling = True
 
     def __init__(self, manager: Manager) -> None:
+        train_state = manager.state
+        if not isinstance(train_state, TorchTrainState):
+            raise UsageError("FtOptimizer(manager) takes the manager ft_manager() returned",
+                             hint="manager = ft_manager(model, optimizer, batch_size=...); "
+                                  "optimizer = FtOptimizer(manager)")
         self.manager = manager
-        state = manager.state
-        assert isinstance(state, TorchTrainState)
-        self.optimizer = state.optimizer
+        self.optimizer = train_state.optimizer
+        self._train_state = train_state
+        self._checked_schedulers = False
+        # Torch's bookkeeping of an optimizer without Optimizer.__init__, which would
+        # add the parameters again: step hooks of its own (run by the step wrapper
+        # torch puts on the class), state-dict hooks those of the wrapped optimizer,
+        # which state_dict and load_state_dict go to.
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        for kind in ("state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                     "load_state_dict_post"):
+            name = f"_optimizer_{kind}_hooks"
+            setattr(self, name, getattr(self.optimizer, name))
+        self._patch_step_function()
 
-    @property
+    # The wrapped optimizer's own objects, whatever replaces them (its load_state_dict
+    # puts in new param groups): a scheduler sets the learning rate the step uses.
+    @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
+    def __repr__(self) -> str:
+        return f"FtOptimizer({self.optimizer!r})"
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        if not self.manager.step_started:
-            self.manager.start_step()
 
-    def step(self, closure: Any = None, *, loss: float | None = None) -> bool:
+    def step(self, closure: Any = None, *, loss: float | None = None) -> bool:  # type: ignore[override]
         if closure is not None:
             raise UsageError("FtOptimizer.step takes no closure: the step commits once "
                              "its all-reduce is done")
-        return self.manager.commit(loss=loss)
+        if not self._checked_schedulers:
+            self._check_schedulers()
+        if not self.manager.step_started:   # no forward of the model started it
+            self.manager.start_step()
+        # Called by GradScaler.step even where it found Inf/NaN: the step still commits
+        # (its batches consumed, as natively), without an update (torch_hooks).
+        self._train_state.skip_update = scaler_found_inf(
+            self, self._train_state.registered.objects.values(),
+            self.manager.allreduce_gradients)
+        try:
+            return self.manager.commit(loss=loss)
+        finally:
+            self._train_state.skip_update = False
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        self._train_state.load_optimizer_state(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._train_state.add_param_group(param_group)
+
+    def _check_schedulers(self) -> None:
+        """A scheduler that steps this optimizer must ride in the snapshots, or a
+        replica that catches up or restarts would start its schedule over, silently.
+        (Torch's schedulers mark the ``step`` of the optimizer they drive.)"""
+        self._checked_schedulers = True
+        driven = any(hasattr(o.step, "_wrapped_by_lr_sched") for o in (self, self.optimizer))
+        registered = any(isinstance(o, torch.optim.lr_scheduler.LRScheduler)
+                         for o in self._train_state.registered.objects.values())
+        if driven and not registered:
+            raise UsageError("an LR scheduler drives this optimizer, but none is registered",
+                             hint="manager.register_state('scheduler', scheduler) before the "
+                                  "loop: a replica that catches up or restarts then continues "
+                                  "the schedule at its step")
 
 
 class TorchReplicaGroup:
@@ -271,19 +637,28 @@ class TorchReplicaGroup:
         tensor.div_(self.ranks)
 
 
-def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_size: int,
-               config: Config | None = None, identity: WorkerIdentity | None = None
-               ) -> Manager:
+def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               batch_size: int | None = None, config: Config | None = None,
+               identity: WorkerIdentity | None = None, *,
+               global_batch_size: int | None = None) -> Manager:
     """A ``Manager`` for this worker, from the environment ``ft-launch run`` sets.
 
     ``model``: after ``fully_shard`` (FSDP2), a ``DistributedDataParallel``, or a
-    plain module; ``batch_size`` is the replica's batch (all its ranks together).
+    plain module. The samples of one optimizer step: ``batch_size``, the replica's
+    (all its ranks and micro-batches together), or ``global_batch_size``, the native
+    script's (every replica's: the replica's is its share, so the script needs not
+    know how many replicas there are). One of the two.
     A replica of several ranks uses the script's process group, or starts one.
     Started for a replay (``FTL_WORKER_REPLAY``), it returns a ``ReplayManager``: the
     same loop then replays one recorded step and ends the process (``replay``)."""
+    if isinstance(optimizer, FtOptimizer):
+        raise UsageError("ft_manager takes the script's own optimizer, not an FtOptimizer",
+                         hint="manager = ft_manager(model, optimizer, ...); then "
+                              "optimizer = FtOptimizer(manager)")
     if config is None:
         config = load_config(os.environ.get(ENV_CONFIG) or None)
     identity = identity or WorkerIdentity.from_env()
+    batch_size = replica_batch(batch_size, global_batch_size, identity.num_replicas)
     group = (TorchReplicaGroup(identity) if identity.ranks > 1 or dist.is_initialized()
              else None)
     state = TorchTrainState(model, optimizer, group)
@@ -294,4 +669,33 @@ def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_s
     manager = (Manager(config, identity, state, batch_size, group=group) if replay is None
                else replay_manager(config, identity, state, batch_size, replay, group))
     state.install_hooks(manager)
+    model.register_forward_pre_hook(_step_starter(manager), prepend=True)
     return manager
+
+
+def replica_batch(batch_size: int | None, global_batch_size: int | None,
+                  replicas: int) -> int:
+    """The replica's samples per step, from exactly one of the two ways to say it."""
+    if (batch_size is None) == (global_batch_size is None):
+        raise UsageError("ft_manager needs batch_size (the replica's) or global_batch_size "
+                         "(all replicas'), exactly one of them")
+    if global_batch_size is None:
+        assert batch_size is not None
+        return batch_size
+    if global_batch_size <= 0 or global_batch_size % replicas:
+        raise UsageError(f"global_batch_size {global_batch_size} does not divide among "
+                         f"{replicas} replicas",
+                         hint="use a multiple of the replica count (job.replicas)")
+    return global_batch_size // replicas
+
+
+def _step_starter(manager: Manager) -> Callable[[torch.nn.Module, Any], None]:
+    """A forward pre-hook: the model's first forward with autograd on starts the step
+    (the quorum is asked beside it), wherever ``zero_grad`` is in the loop. First
+    among the model's hooks: an FSDP2 root gathers its parameters in its own, and the
+    step's start snapshots the one committed before (``Manager.start_step``)."""
+    @torch.compiler.disable   # a compiled model's forward runs it as Python, as it is
+    def start(module: torch.nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and not manager.step_started:
+            manager.start_step()
+    return start

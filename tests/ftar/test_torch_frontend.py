@@ -123,6 +123,7 @@ class _FailingGroup:
         self.config = FtarConfig()
         self.error = error
         self.calls = 0
+        self.size = 1      # a ring of one: no bucket layout to compare
 
     def reduce_flat(self, *args: Any, **kwargs: Any) -> int:
         self.calls += 1
@@ -136,19 +137,27 @@ class _Bucket:
     def buffer(self) -> Any:
         return self._tensor
 
+    def index(self) -> int:
+        return 0
+
+    def parameters(self) -> list[Any]:
+        return []
+
 
 def _hooked(group: _FailingGroup) -> tuple[Any, Any]:
     """The worker's DDP comm hook over ``group`` on an exchange thread, a one-rank
     replica (no DDP model: the hook is called as DDP calls it)."""
     from ft_launch.launcher.worker.exchange import StepWork
     from ft_launch.launcher.worker.manager import Reduction
-    from ft_launch.launcher.worker.torch_hooks import DdpExchange
+    from ft_launch.launcher.worker.torch_hooks import BucketLayout, DdpExchange
 
     work = StepWork()
     exchange = DdpExchange.__new__(DdpExchange)
     exchange.submit = lambda reduce, after=None: work.submit(
         lambda: reduce(Reduction(group, 9, True)), after)   # type: ignore[arg-type]
     exchange.process_group, exchange.calls = None, 0
+    exchange.warm_up, exchange.scaled = None, lambda: False
+    exchange.layout = BucketLayout(buckets=((),), ids=((),), names=(), cap_mb=25.0)
     work.begin(lambda: None)
     return work, exchange
 

@@ -96,6 +96,19 @@ def test_the_run_finishes_when_all_have_or_after_the_grace():
     assert isinstance(both.actions[-1], lc.FinishRun)
 
 
+def test_a_replica_relaunched_after_the_run_finished_is_finished_not_relaunched():
+    """Replica 1 crashed and was relaunched while replica 0 finished the run; the
+    relaunch found nothing to join (exit 77, ``worker.exits``): no more relaunches,
+    and the run finishes, successfully."""
+    state, _ = started(replicas=2)
+    state = lc.decide(state, lc.StepExited(1, 1), at(1)).state        # retried in place
+    state = lc.decide(state, lc.StepExited(0, 0), at(2)).state        # finished the run
+    late = lc.decide(state, lc.StepExited(1, ExitCode.RUN_FINISHED), at(3))
+    assert late.state.run.replica(1).state is ReplicaState.FINISHED
+    assert orders(late) == [lc.FinishRun("training finished")]
+    assert "nothing to join" in late.reason
+
+
 def test_a_relaunched_replica_gets_the_start_timeout_alone():
     state, _ = started()
     crashed = lc.decide(state, lc.StepExited(0, 1), at(1)).state

@@ -6,8 +6,10 @@ import itertools
 import sys
 from pathlib import Path
 
+from ft_launch.files import atomic_write_text
 from ft_launch.launcher.worker.audit import check_exactly_once
 from ft_launch.launcher.worker.local import LocalJob
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"
@@ -71,3 +73,18 @@ def stall_bound(detection_s: float, events: list) -> float:
     gaps = commit_gaps(events)
     assert gaps, "no steps to measure"
     return 2 * detection_s + STALL_SLACK_STEPS * gaps[len(gaps) // 2]
+
+
+def restart_and_end_once_caught_up(job: LocalJob, replica: int, ahead: int,
+                                   timeout: float = 120) -> int:
+    """Start ``replica`` again once its kill took it down, wait for it to catch up, then
+    end the run (the example's ``end-step`` file) ``ahead`` steps past the newest commit;
+    returns that end step. However slow the restart, the others still train then."""
+    wait_until(lambda: job.current(replica).poll() is not None, timeout,
+               f"replica {replica} to die")
+    job.start(replica)
+    wait_until(lambda: any(e.caught_up for e in job.committed(replica)), timeout,
+               f"replica {replica} to catch up")
+    end = max(job.last_committed_step(r) for r in range(job.replicas)) + ahead
+    atomic_write_text(job.run_dir / "end-step", str(end), durable=False)
+    return end

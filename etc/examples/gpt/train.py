@@ -190,7 +190,7 @@ def main() -> int:
     try:
         while manager.next_step < end_step_at(me.run_dir, args.steps):
             step_started = time.monotonic()
-            optimizer.zero_grad()       # starts the step: the quorum is asked beside forward
+            optimizer.zero_grad()       # the forward below starts the step (quorum beside it)
             # This rank's part of the replica's next batch (a catching-up replica's
             # gradients count for nothing: it learns only when the quorum answers).
             ids = replica_sample_ids(me.replica_id, me.num_replicas, manager.data_position,
