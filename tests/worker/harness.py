@@ -9,7 +9,7 @@ from pathlib import Path
 from ft_launch.files import atomic_write_text
 from ft_launch.launcher.worker.audit import check_exactly_once
 from ft_launch.launcher.worker.local import LocalJob
-from tests.waiting import wait_until
+from tests.waiting import patience, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"
@@ -88,3 +88,14 @@ def restart_and_end_once_caught_up(job: LocalJob, replica: int, ahead: int,
     end = max(job.last_committed_step(r) for r in range(job.replicas)) + ahead
     atomic_write_text(job.run_dir / "end-step", str(end), durable=False)
     return end
+
+
+def logs_of_a_failed_run(job: LocalJob, timeout: float = 180) -> list[str]:
+    """Start every replica, require each to fail, and return each replica's log."""
+    job.start_all()
+    try:
+        codes = job.wait_all(timeout=patience(timeout))
+    finally:
+        job.stop_everything()
+    assert all(code != 0 for code in codes.values()), codes
+    return [job.log(replica) for replica in range(job.replicas)]

@@ -30,7 +30,7 @@ from ft_launch.launcher.worker.audit import check_exactly_once
 from ft_launch.launcher.worker.local import LocalJob, free_port
 from tests.waiting import patience
 
-from .harness import TEST_CONFIG, restart_and_end_once_caught_up
+from .harness import TEST_CONFIG, logs_of_a_failed_run, restart_and_end_once_caught_up
 
 torch = pytest.importorskip("torch")
 
@@ -112,14 +112,7 @@ def test_a_plain_module_accumulating_without_no_sync_is_refused(tmp_path):
     step commits."""
     out = tmp_path / "out"
     job = ft_job(tmp_path / "run", out, "none", 2, 1, "--steps", "2", "--no-no-sync")
-    job.start_all()
-    try:
-        codes = job.wait_all(timeout=patience(180))
-    finally:
-        job.stop_everything()
-    assert all(code != 0 for code in codes.values()), codes
-    for replica in range(2):
-        log = job.log(replica)
+    for replica, log in enumerate(logs_of_a_failed_run(job)):
         assert "UsageError" in log and "after the step's were averaged across replicas" in log, \
             log[-3000:]
         assert "with manager.no_sync(): loss.backward()" in log, log[-3000:]
