@@ -19,7 +19,8 @@ Each is None, with ``product_not_run`` saying why, when the lab cluster is not u
 not as root, or with ``--library-only`` (and with ``details.product[FAULT].error``
 when a run did not get there).
 
-**The library** (``health``'s monitor, collector, tracer; not the product path):
+**The library** (``benchmarks/detection``: monitor, reporter, tracer, over ``health``'s
+collector; not the product path):
 eight worker processes form 4 data-parallel replicas of a 2-stage pipeline (one
 rank per simulated node). Each step: stage 0 computes forward and sends
 activations, stage 1 computes and sends gradients back, then all ranks meet in
@@ -62,13 +63,13 @@ import zmq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.detection.monitor import AlarmKind, DetectionMonitor, MonitorSettings
+from benchmarks.detection.reporter import MetricsReporter
+from benchmarks.detection.tracer import fail_slow_eviction, hang_eviction
 from benchmarks.hang_diagnosis import hang_figures
 from benchmarks.product_run import DETECTION, FAULTS, run_with_fault, why_unavailable
 from ft_launch.health.aggregation import RankPlace
 from ft_launch.health.channel import Collector
-from ft_launch.health.monitor import AlarmKind, DetectionMonitor, MonitorSettings
-from ft_launch.health.reporter import MetricsReporter
-from ft_launch.health.tracer import fail_slow_eviction, hang_eviction
 from ft_launch.ids import new_job_secret
 
 REPLICAS, STAGES = 4, 2

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.product_run import ProductRun, run_with_fault, why_unavailable
-from ft_launch.launcher.diagnosis import HangDiagnosisReported
+from ft_launch.launcher.controller.diagnosis import HangDiagnosisReported
 
 
 def hang_figures(run: ProductRun) -> dict[str, Any]:

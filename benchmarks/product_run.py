@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ft_launch.events import Event, NodeDrained
-from ft_launch.launcher.diagnosis import HangDiagnosisReported
-from ft_launch.launcher.events import (
+from ft_launch.launcher.controller.diagnosis import HangDiagnosisReported
+from ft_launch.launcher.controller.events import (
     EventTail,
     FailSlowDetected,
     NodeDrainRequested,

@@ -3,11 +3,14 @@
     python benchmarks/quorum_bench.py [--sizes 3,12,100,1000] [--rounds 40]
                                       [--failover-runs 3] [--json FILE]
 
-Members are real ``QuorumAgent`` s in real processes on loopback. For 3 and 12
-members each agent has its own process and any of them may win the election.
-For 100 and 1,000, 3 host processes share the followers (one ``AgentLoop``
-thread each) and replica 0, the only electable member (the others are
-``electable=False``), has a process of its own, as a replica's rank 0 would.
+Members are real ``QuorumAgent`` s on loopback, one agent per process as in a
+job (a replica's rank 0 runs one), started from a fork server that has imported
+the quorum once, so each costs about 9 MB of its own memory: 1,000 members need
+about 9 GB and every member's work shares this machine's cores. For 3 and 12
+members any of them may win the election; for 100 and 1,000 only replica 0 may
+(the others are ``electable=False``): one election among 1,000 voters on two
+shared cores takes longer than the election slot it is sized for, and the
+benchmark measures the rounds, not the election.
 
 * quorum-round latency: every member calls ``request_quorum`` at the same
   instant ``t0``; a round ends when the last member has its answer. p50/p99
@@ -36,11 +39,9 @@ thread each) and replica 0, the only electable member (the others are
   SIGKILLed: the survivor's longest gap between quorums from the kill on
   (target: ``member_timeout`` + one step).
 
-Hosting hundreds of agents per process means that a broadcast reaching them is
-verified and decoded once per process (the codec cache), as it would be once
-per machine in a real job. Figures taken on a shared 2-core machine are noisy.
-``shadow_bench.py`` reuses the hosts (``start_hosts``, ``round_once``, the
-``kill`` command) with worker-sized addresses (``HostSpec.ranks``).
+Figures taken on a shared 2-core machine are noisy. ``shadow_bench.py`` reuses the
+hosts (``start_hosts``, ``round_once``, the ``kill`` command) with worker-sized
+addresses (``HostSpec.ranks``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ import multiprocessing as mp
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,26 +65,17 @@ if str(ROOT) not in sys.path:
 from ft_launch.config import QuorumConfig
 from ft_launch.errors import RecoverableError
 from ft_launch.ids import new_job_secret
-from ft_launch.launcher.quorum import (
-    AgentLoop,
-    FileDirectory,
-    PendingQuorum,
-    QuorumAgent,
-    QuorumFormed,
-    Role,
-)
-from ft_launch.launcher.quorum.model import witness_ids
+from ft_launch.launcher.quorum import FileDirectory, QuorumAgent, QuorumFormed
+from ft_launch.launcher.quorum.model import Role, witness_ids
 from ft_launch.launcher.worker.protocol import ReplicaEndpoints
 
 JOB = "quorum-bench"
-#: Processes that share the followers of the 100 and 1,000 member cases.
-HOSTS = 3
 TARGETS = {"p50_ms": 50.0, "p99_ms": 200.0, "failover_s": 3.0}
 
 
 @dataclass(frozen=True)
 class HostSpec:
-    hosted: tuple[int, ...]
+    replica_id: int
     replicas: int
     secret: str
     directory: str
@@ -106,110 +97,92 @@ def advertised(replica_id: int, ranks: int) -> str:
                             tuple(endpoint(r, 50000) for r in range(ranks))).encode()
 
 
-# --------------------------------------------------------------------------- host process
+# --------------------------------------------------------------------------- member process
+
+
+def process_context() -> Any:
+    """Processes forked from a server that imported the quorum (and zmq) once: a
+    member starts in milliseconds and shares those pages with the others."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["ft_launch.launcher.quorum", "zmq"])
+    return ctx
 
 
 def host_main(conn: Any, spec: HostSpec) -> None:
-    """Run the agents of ``spec.hosted`` on one loop and obey the coordinator."""
-    loop = AgentLoop(name=f"bench-host-{spec.hosted[0]}").start()
-    directory = FileDirectory(spec.directory, spec.secret, JOB)
+    """Run the agent of ``spec.replica_id`` and obey the coordinator."""
     config = QuorumConfig(standing=spec.standing)
-    agents = [QuorumAgent(r, range(spec.replicas), directory, spec.secret, config,
-                          job_id=JOB, loop=loop, electable=spec.electable or r == 0)
-              for r in spec.hosted]
-    addresses = {r: advertised(r, spec.ranks) if spec.ranks else None for r in spec.hosted}
+    electable = spec.electable or spec.replica_id == 0
+    agent: QuorumAgent | None = QuorumAgent(
+        spec.replica_id, range(spec.replicas), FileDirectory(spec.directory, spec.secret, JOB),
+        spec.secret, config, job_id=JOB, electable=electable)
+    assert agent is not None
+    address = advertised(spec.replica_id, spec.ranks) if spec.ranks else None
     windows: list[tuple[float, float]] = []  # (window, monotonic time formed)
-    for agent in agents:
-        agent.bind()
-        # Only a member that may lead forms quorums: a listener on the others
-        # would only make each of them build a 1,000-member ``QuorumJoined``
-        # event per round that nobody reads (measurement cost, not the quorum's).
-        if spec.electable or agent.replica_id == 0:
-            agent.subscribe(lambda e: windows.append((e.window_s, time.monotonic()))
-                            if isinstance(e, QuorumFormed) else None)
+    agent.bind()
+    # Only a member that may lead forms quorums (and reports their windows).
+    if electable:
+        agent.subscribe(lambda e: windows.append((e.window_s, time.monotonic()))
+                        if isinstance(e, QuorumFormed) else None)
     conn.send("started")
     while True:
         command, *args = conn.recv()
         if command == "begin":
-            for agent in agents:
-                agent.start()
+            agent.start()
             conn.send("ok")
         elif command == "leaders":
-            conn.send({a.replica_id: a.status().leader_id for a in agents})
-        elif command == "transfer":
-            for agent in agents:
-                if agent.status().role is Role.LEADER:
-                    agent.transfer_leadership(args[0])
-            conn.send("ok")
+            conn.send({spec.replica_id: agent.status().leader_id} if agent else {})
         elif command == "round":
             windows.clear()
-            conn.send({**_round(loop, agents, addresses, *args), "windows": list(windows)})
+            reply = _round(agent, address, *args) if agent else {"answered": 0, "sizes": []}
+            conn.send({**reply, "windows": list(windows)})
         elif command == "kill":
             # Stopping closes the sockets without a word: to the others it is a crash.
-            for agent in [a for a in agents if a.replica_id in args[0]]:
+            if agent is not None and spec.replica_id in args[0]:
                 agent.stop()
-                agents.remove(agent)
+                agent = None
             conn.send("ok")
         elif command == "counters":
-            conn.send((sum(a.stats()["sent"] for a in agents), time.process_time()))
+            conn.send((agent.stats()["sent"] if agent else 0, time.process_time()))
         elif command == "stop":
             break
-    for agent in agents:
+    if agent is not None:
         agent.stop()
-    loop.stop()
 
 
-def _round(loop: AgentLoop, agents: list[QuorumAgent], addresses: dict[int, str | None],
-           step: int, t0: float, timeout: float) -> dict[str, Any]:
-    finished: list[float] = []
-    futures: list[PendingQuorum] = []
-    everyone = threading.Event()
-
-    def done(_future: PendingQuorum) -> None:
-        finished.append(time.monotonic())
-        if len(finished) == len(agents):
-            everyone.set()
-
-    def request_all() -> None:
-        # From the loop thread: 333 requests from this thread would each wake
-        # the loop and hand the GIL back and forth.
-        for agent in agents:
-            future = agent.request_quorum(step, address=addresses[agent.replica_id])
-            future.add_done_callback(done)
-            futures.append(future)
-        issued_at.append(time.monotonic())
-
-    issued_at: list[float] = []
+def _round(agent: QuorumAgent, address: str | None, step: int, t0: float,
+           timeout: float) -> dict[str, Any]:
     time.sleep(max(0.0, t0 - time.monotonic()))
-    loop.call_soon(request_all)
-    # One event set by the last answer's callback (on the loop thread), not a
-    # waiter on each of 333 futures: every answer would notify it, harness cost
-    # on the loop that the measured round would carry.
-    everyone.wait(timeout)
-    loop.call(lambda: None, timeout)  # after a timeout: request_all has run
-    got = [f.result() for f in futures if f.done() and f.exception() is None]
-    return {"last": max(finished, default=float("inf")), "first": min(finished, default=0.0),
-            "issued": issued_at[0] if issued_at else float("nan"),
-            "answered": len(finished), "quorum_ids": sorted({q.quorum_id for q in got}),
-            "sizes": sorted({len(q.members) for q in got})}
+    issued = time.monotonic()
+    future = agent.request_quorum(step, address=address)
+    try:
+        quorum = future.result(timeout)
+    except Exception:  # noqa: BLE001 - reported as not answered
+        return {"last": float("inf"), "first": 0.0, "issued": issued, "answered": 0,
+                "quorum_ids": [], "sizes": []}
+    answered = time.monotonic()
+    return {"last": answered, "first": answered, "issued": issued, "answered": 1,
+            "quorum_ids": [quorum.quorum_id], "sizes": [len(quorum.members)]}
 
 
 # --------------------------------------------------------------------------- coordinator
 
 
 class Hosts:
-    def __init__(self, layout: list[tuple[int, ...]], replicas: int, electable: bool,
-                 ranks: int = 0, standing: bool = QuorumConfig().standing) -> None:
+    """One process per member, replica ``i`` in ``procs[i]``."""
+
+    def __init__(self, replicas: int, electable: bool, ranks: int = 0,
+                 standing: bool = QuorumConfig().standing) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="quorum-bench-")
         secret = new_job_secret()
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self.pipes = []
         self.procs = []
-        for hosted in layout:
+        for replica_id in range(replicas):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=host_main, daemon=True,
-                               args=(theirs, HostSpec(hosted, replicas, secret, self._tmp.name,
-                                                      electable, ranks, standing)))
+                               args=(theirs, HostSpec(replica_id, replicas, secret,
+                                                      self._tmp.name, electable, ranks,
+                                                      standing)))
             proc.start()
             self.pipes.append(ours)
             self.procs.append(proc)
@@ -236,15 +209,11 @@ class Hosts:
         return leaders.pop() if len(leaders) == 1 and None not in leaders else None
 
     def close(self) -> None:
-        # The leader's host first: followers leaving under a live leader make it
-        # report (rightly, but noisily) that it lost the majority.
-        for pipe, proc in zip(self.pipes, self.procs, strict=True):
+        for pipe in self.pipes:
             try:
                 pipe.send(("stop",))
             except OSError:
                 pass
-            if proc is self.procs[0]:
-                proc.join(10)
         for proc in self.procs:
             proc.join(10)
             if proc.is_alive():
@@ -262,30 +231,14 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.1) -> Any:
     raise RuntimeError(f"condition not met within {timeout}s")
 
 
-def layout_for(members: int) -> list[tuple[int, ...]]:
-    if members <= 12:
-        return [(r,) for r in range(members)]
-    followers = list(range(1, members))
-    per_host = -(-len(followers) // HOSTS)
-    return [(0,)] + [tuple(followers[i:i + per_host])
-                     for i in range(0, len(followers), per_host)]
-
-
 def start_hosts(members: int, ranks: int = 0,
                 standing: bool = QuorumConfig().standing) -> Hosts:
-    """Hosts with every agent started and replica 0 leading."""
-    # With hundreds of agents per process, only replica 0 may campaign: one
-    # election among 1,000 voters all on two shared cores takes longer than the
-    # election slot it is sized for (QuorumConfig.election_slot), and the
-    # benchmark measures the rounds, not the election.
-    hosts = Hosts(layout_for(members), members, electable=members <= 12, ranks=ranks,
-                  standing=standing)
+    """Hosts with every agent started and a leader everyone follows (replica 0
+    beyond 12 members: the only electable one)."""
+    hosts = Hosts(members, electable=members <= 12, ranks=ranks, standing=standing)
     try:
         hosts.ask("begin")
         wait_for(lambda: hosts.leader() is not None, 120)
-        if hosts.leader() != 0:
-            hosts.ask("transfer", 0)
-            wait_for(lambda: hosts.leader() == 0, 30)
     except BaseException:
         hosts.close()
         raise
@@ -295,7 +248,7 @@ def start_hosts(members: int, ranks: int = 0,
 def round_once(hosts: Hosts, step: int, expect: int, timeout: float = 30.0
                ) -> tuple[float, list[dict[str, Any]]]:
     """One round from a common start; (latency, the hosts' replies)."""
-    t0 = time.monotonic() + 0.02
+    t0 = time.monotonic() + 0.02 + 1e-4 * len(hosts.pipes)  # the commands reach them all
     replies = hosts.ask("round", step, t0, timeout, timeout=timeout + 30)
     if sum(r["answered"] for r in replies) != expect:
         raise RuntimeError(f"round {step}: not every member was answered: {replies}")
@@ -306,6 +259,7 @@ def measure_rounds(members: int, rounds: int, ranks: int = 0,
                    standing: bool = QuorumConfig().standing) -> dict[str, Any]:
     hosts = start_hosts(members, ranks, standing)
     try:
+        leader = hosts.leader() or 0
         latencies = []
         windows = []
         phases = []  # (t0 -> formed, formed -> first answer, formed -> last answer)
@@ -313,7 +267,7 @@ def measure_rounds(members: int, rounds: int, ranks: int = 0,
         for step in range(rounds + 3):
             if step == 3:
                 counters = hosts.ask("counters")
-                before, before_leader = _totals(counters), counters[0][1]
+                before, before_leader = _totals(counters), counters[leader][1]
             latency, replies = round_once(hosts, step, members)
             if step >= 3:
                 latencies.append(latency)
@@ -327,7 +281,7 @@ def measure_rounds(members: int, rounds: int, ranks: int = 0,
         final = hosts.ask("counters")
         after = _totals(final)
         sent, cpu = after[0] - before[0], after[1] - before[1]
-        leader_cpu = final[0][1] - before_leader
+        leader_cpu = final[leader][1] - before_leader
     finally:
         hosts.close()
     latencies.sort()
@@ -349,7 +303,10 @@ def _totals(replies: list[tuple[int, float]]) -> tuple[int, float]:
 
 
 def _quantile(values: list[float], q: float) -> float:
-    """Nearest-rank quantile of sorted ``values``."""
+    """Nearest-rank quantile of sorted ``values`` (NaN for none: every step of a
+    standing quorum may be answered without a round, so no window is measured)."""
+    if not values:
+        return float("nan")
     index = min(len(values) - 1, max(0, round(q * len(values) + 0.5) - 1))
     return values[index]
 
@@ -360,7 +317,7 @@ def _quantile(values: list[float], q: float) -> float:
 def failover_main(conn: Any, spec: HostSpec, witnesses: tuple[int, ...] = ()) -> None:
     """One member in a step loop; reports every quorum it receives. A witness
     (its id among ``witnesses``) only votes."""
-    me = spec.hosted[0]
+    me = spec.replica_id
     agent = QuorumAgent(me, range(spec.replicas),
                         FileDirectory(spec.directory, spec.secret, JOB), spec.secret,
                         QuorumConfig(), job_id=JOB, witnesses=witnesses,
@@ -383,12 +340,12 @@ def failover_main(conn: Any, spec: HostSpec, witnesses: tuple[int, ...] = ()) ->
 def measure_failover(members: int = 5) -> float:
     tmp = tempfile.TemporaryDirectory(prefix="quorum-failover-")
     secret = new_job_secret()
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     pipes, procs = [], []
     for r in range(members):
         ours, theirs = ctx.Pipe()
         proc = ctx.Process(target=failover_main, daemon=True,
-                           args=(theirs, HostSpec((r,), members, secret, tmp.name)))
+                           args=(theirs, HostSpec(r, members, secret, tmp.name)))
         proc.start()
         pipes.append(ours)
         procs.append(proc)
@@ -435,12 +392,12 @@ def measure_survivor_stall(step_s: float = 0.05) -> dict[str, float]:
     [witness] = witness_ids(1)
     tmp = tempfile.TemporaryDirectory(prefix="quorum-survivor-")
     secret = new_job_secret()
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     pipes, procs = [], []
     for r in (0, 1, witness):
         ours, theirs = ctx.Pipe()
         proc = ctx.Process(target=failover_main, daemon=True,
-                           args=(theirs, HostSpec((r,), 2, secret, tmp.name), (witness,)))
+                           args=(theirs, HostSpec(r, 2, secret, tmp.name), (witness,)))
         proc.start()
         pipes.append(ours)
         procs.append(proc)

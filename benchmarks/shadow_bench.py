@@ -6,7 +6,7 @@
 
 What runs for real, on loopback with real sockets:
 
-* **quorum**: ``--replicas`` real ``QuorumAgent`` s (many per process, as in
+* **quorum**: ``--replicas`` real ``QuorumAgent`` s (one per process, as in
   ``quorum_bench.py``), each advertising a worker-style address with every one
   of its ``--ranks`` ranks' FTAR and state-server endpoints. Measured: the
   per-step round (all request at once -> the last has its answer), and
@@ -18,7 +18,7 @@ What runs for real, on loopback with real sockets:
   endpoints in one other process. What each rank then does with the view
   (unpickle it, ``plan_step``) is timed once, on one rank, because the ranks
   run it in parallel on their own machines.
-* **controller decision**: ``ft_launch.launcher.recovery.decide`` on a node fault in a
+* **controller decision**: ``ft_launch.launcher.controller.recovery.decide`` on a node fault in a
   run of ``--replicas`` replicas.
 * **FTAR reconfiguration**: rings of ``--rings`` members, each a real
   ``FtarGroup`` (authenticated handshakes), a quarter of them per process, all
@@ -200,15 +200,15 @@ def time_rank_decision(view: QuorumView, reps: int = 3) -> dict[str, float]:
 def time_controller(replicas: int, nodes_per_replica: int) -> float | None:
     """ms for the recovery controller to decide on a node fault (None if absent)."""
     try:
-        from ft_launch.launcher import recovery as rc
-        state = rc.RunState(
-            replicas=tuple(rc.Replica(r, tuple(f"n{r}-{i}" for i in range(nodes_per_replica)))
+        from ft_launch.launcher.controller import recovery
+        state = recovery.RunState(
+            replicas=tuple(recovery.Replica(r, tuple(f"n{r}-{i}" for i in range(nodes_per_replica)))
                            for r in range(replicas)),
             standby=tuple(f"spare{i}" for i in range(8)), nodes_per_replica=nodes_per_replica)
-        event = rc.NodeFaulted(replica_id=replicas // 2, node=f"n{replicas // 2}-0",
-                               reason="shadow")
+        event = recovery.NodeFaulted(replica_id=replicas // 2, node=f"n{replicas // 2}-0",
+                                     reason="shadow")
         t0 = time.perf_counter()
-        rc.decide(state, event)
+        recovery.decide(state, event)
         return 1000 * (time.perf_counter() - t0)
     except (ImportError, AttributeError, TypeError) as exc:
         print(f"   (controller decision not timed: {exc})")

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from rich.console import Console
 
-from ft_launch.launcher.events import LossSpiked, NodeFaultDetected
+from ft_launch.launcher.controller.events import LossSpiked, NodeFaultDetected
 from ft_launch.launcher.reporting.live import StatusDisplay, status_view
 from ft_launch.launcher.reporting.runlog import controller_log
 from ft_launch.launcher.reporting.status import RunStatus

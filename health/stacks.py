@@ -11,7 +11,8 @@ the aggregation counts as an outlier.
 of this node and writes JSON (atomically; without ``--out``: to stdout); ``--job
 JOB`` instead captures every process of a Slurm job on this node (found by
 ``SLURM_JOB_ID`` and ``SLURM_PROCID`` in its environment). The controller runs it
-with ``srun --overlap`` on each node of a hung replica (``ft_launch.launcher.diagnosis``).
+with ``srun --overlap`` on each node of a hung replica
+(``ft_launch.launcher.controller.diagnosis``).
 py-spy is looked for beside this Python first (a virtual environment's ``bin``),
 then on ``PATH``.
 """

@@ -140,7 +140,7 @@ def _metrics(body: Mapping[str, Any]) -> None:
 
 
 def _report(body: Mapping[str, Any]) -> None:
-    """What ``ProfileReport.from_dict`` and ``DetectionMonitor.node_report`` read."""
+    """What ``ProfileReport.from_dict`` reads (and ``benchmarks/detection``'s monitor)."""
     _name(body.get("profile"), "body.profile")
     _name(body.get("node"), "body.node")
     _status(body.get("status"), "body.status")

@@ -36,9 +36,12 @@ from ft_launch.slurm.allocation import Allocation, allocation_of_job
 from ft_launch.slurm.client import SlurmCli
 from ft_launch.slurm.hostlist import compress, expand
 
-from .events import ControllerWitnessChosen
+from .controller.events import ControllerWitnessChosen
+from .controller.plan import JOB_FLAGS, LaunchPlan, check_cpus, plan_allocation
+from .controller.submit import release_allocation, submit
+from .controller.supervisor import Supervisor
+from .controller.versions import write_update_request
 from .heartbeat import heartbeat_path
-from .plan import JOB_FLAGS, LaunchPlan, check_cpus, plan_allocation
 from .quorum.agent import QuorumAgent
 from .quorum.reach import Reach, probe
 from .quorum.witness_service import WitnessJob, controller_witness, serve
@@ -46,9 +49,6 @@ from .reporting.ettr import JobModel, RecoveryCost, poisson_failures, simulate, 
 from .reporting.live import show, watch
 from .reporting.plots import render_timeline
 from .reporting.summary import summarize
-from .submit import release_allocation, submit
-from .supervisor import Supervisor
-from .versions import write_update_request
 from .worker.identity import (
     ENV_CONFIG,
     ENV_HEARTBEAT,

@@ -10,6 +10,9 @@ It runs the ``gate`` profile on the node it lands on and then
   report to ``--report`` if given, drains the node when ``--drain`` is set (needs
   Slurm operator rights, which a user's step usually lacks: the launcher drains
   instead, from the exit code and the report), and exits 76 (NODE_UNHEALTHY).
+
+The check itself is ``ft_launch.health.gate`` (the standby agent runs it too, at
+promotion); this wrapper adds the command line, the report file, the drain and the exec.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from collections.abc import Mapping, Sequence
 from ft_launch.errors import ConfigError, ExitCode, SlurmCommandError
 from ft_launch.files import atomic_write_text
 from ft_launch.health.drain import drain_node
-from ft_launch.health.profile import ProfileReport, run_profile
+from ft_launch.health.gate import GATE_PROFILE, check_node
+from ft_launch.health.profile import ProfileReport
 from ft_launch.health.settings import ENV_CONFIG, load_settings
 from ft_launch.logs import configure_logging
 
-from .hook import HookEnv, slurm_client
+from .hook import slurm_client
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ GATE_FAILED_PREFIX = "ft-gate:"
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ft_launch.slurm_plugins.gate",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profile", default="gate")
+    parser.add_argument("--profile", default=GATE_PROFILE)
     parser.add_argument("--config", help=f"admin health config (default: ${ENV_CONFIG})")
     parser.add_argument("--report", help="write the JSON report here")
     parser.add_argument("--drain", action="store_true", help="drain the node on failure")
@@ -47,23 +51,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def gate(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, ProfileReport | None]:
+def gate(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, ProfileReport]:
+    """The check once, as the command line asks: the exit code and the report."""
     settings = load_settings(args.config, env=env)
-    hook_env = HookEnv.from_environ(env)
-    hook_env.warn_rejected("gate")
-    report = run_profile(settings.profile(args.profile),
-                         settings.context(hook_env.node, hook_env.job(ended=False)))
+    report = check_node(settings, env, args.profile)
     if args.report:
         atomic_write_text(args.report, json.dumps(report.to_dict(), indent=1), durable=False)
     failure = report.failure
     if failure is None:
         return ExitCode.OK, report
-    sys.stderr.write(f"{GATE_FAILED_PREFIX} {hook_env.node} unhealthy: {failure.reason}\n")
+    sys.stderr.write(f"{GATE_FAILED_PREFIX} {report.node} unhealthy: {failure.reason}\n")
     if args.drain:
         try:
-            drain_node(slurm_client(settings, env), hook_env.node, failure.reason)
+            drain_node(slurm_client(settings, env), report.node, failure.reason)
         except SlurmCommandError as exc:
-            log.warning("gate could not drain %s: %s", hook_env.node, exc)
+            log.warning("gate could not drain %s: %s", report.node, exc)
     return ExitCode.NODE_UNHEALTHY, report
 
 

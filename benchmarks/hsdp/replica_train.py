@@ -123,7 +123,7 @@ def train(model: Gpt, optimizer: torch.optim.Optimizer, corpus: Corpus, spec: Wo
     for step in range(spec.steps):
         optimizer.zero_grad()
         ids = replica_sample_ids(replica_id, spec.replicas, step * spec.batch_size,
-                                 spec.batch_size)[rank::spec.ranks]
+                                 spec.batch_size, rank, spec.ranks)
         tokens, targets = (torch.from_numpy(a) for a in corpus.batch(ids))
         loss = step_loss(model, tokens, targets)
         loss.backward()

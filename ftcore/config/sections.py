@@ -22,6 +22,13 @@ class LrScaling(enum.Enum):
     SQRT = "sqrt"
 
 
+class IdenticalStart(enum.Enum):
+    """What the run's first step does when the replicas' models differ (seeded apart)."""
+
+    COPY = "copy"                     # every replica takes the lowest replica's, as DDP does
+    REFUSE = "refuse"                 # every replica exits, naming the replicas that differ
+
+
 class StandbyMode(enum.Enum):
     """Where warm standby nodes are held."""
 
@@ -109,7 +116,7 @@ class QuorumConfig(_Section):
     witnesses: int = _count(0, 0, 64)
     #: While nothing changes, the members of the last quorum go on with it from step
     #: to step without a round: the leader's heartbeats grant it a few steps ahead
-    #: (``ft_launch.launcher.quorum.standing``). Off: every step runs a round (joins, answers).
+    #: (``ft_launch.launcher.quorum.core``). Off: every step runs a round (joins, answers).
     standing: bool = True
 
     def rules(self) -> Iterable[tuple[str, str]]:
@@ -190,6 +197,10 @@ class RuntimeConfig(_Section):
     #: Reduce gradients across replicas during backward (FSDP2's all-reduce hook, DDP's
     #: comm hook); off: all of them after backward.
     overlap_backward: bool = True
+    #: The replicas' models before the first step (parameters and buffers, compared by
+    #: digest): "copy" makes every replica train the lowest one's, as DDP broadcasts
+    #: rank 0's at construction; "refuse" ends the run naming the replicas that differ.
+    identical_start: IdenticalStart = IdenticalStart.COPY
 
 
 @dataclass(frozen=True)
@@ -229,8 +240,8 @@ class RecoveryConfig(_Section):
     #: median of the spike_window steps before (none judged before spike_window steps).
     #: A mean above spike_factor x that median (x5: design.md's threshold) spiked. The
     #: default rolls every replica back to its newest state from before the spiking
-    #: step (ft_launch.launcher.rollback): the all-reduce put the spike into every replica's
-    #: weights, and a human would find it too late; a false alarm costs the steps
+    #: step (ft_launch.launcher.controller.rollback): the all-reduce put the spike into
+    #: every replica's weights, and a human would find it too late; a false alarm costs the steps
     #: since that state, at most max_rollbacks times a run (then reported only), and a
     #: spike that comes back within spike_window steps of one rolled back is reported.
     spike_policy: SpikePolicy = SpikePolicy.ROLLBACK

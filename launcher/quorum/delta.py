@@ -1,115 +1,92 @@
-"""Compact announcements (``QuorumDeltaAnnounced``): pure functions for both ends.
+"""Pure rules on quorum values: ids, compact announcements, standing steps.
 
-In steady state every round has the same roster (ids, addresses, health) and
-only the steps move, and after a failure it loses one member; yet a full
-announcement carries every member's address to every member: at 1,000 members
-that was 45 KB sent 999 times a round (megabytes when replicas advertise their
-ranks' endpoints). The leader sends the compact form, a difference against
-the previous quorum, to the members that hold that quorum (it knows which from
-the ``last_quorum_id`` of their joins: one id names one membership) and the
-full form to the rest; a member checks the digest of the roster it holds and
-asks again (answered with the full form) if it differs.
+**Ids.** ``quorum_id`` changes exactly when the membership changes (a replica
+joined, left, or came back at a new address) or a member reports a failed
+commit, and one id always names one membership, even across leaders.
+
+**Compact announcements.** In steady state every round has the same roster and
+only the steps move; after a failure it loses one member. A full announcement
+carries every member's address to every member (at 1,000 members, each
+advertising its ranks' endpoints, megabytes), so the leader sends the difference
+against the previous quorum (``QuorumDeltaAnnounced``) to the members that hold
+it (it knows which from their joins' ``last_quorum_id``) and the full form to the
+rest; a member checks the digest of the roster it holds and asks again if it
+differs (the leader repeats an answered bid in full).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 from .model import (
     SEQ_MASK,
-    Health,
+    JoinRequested,
     Quorum,
     QuorumAnnounced,
     QuorumDeltaAnnounced,
     QuorumMember,
 )
 
-#: Expanded quorums by what determines them, so the agents hosted by one
-#: process (sharing the decoded message and their last quorum) build the
-#: 1,000 members once, not once each. A pure function's memo: same inputs,
-#: same value.
-_EXPANDED: OrderedDict[tuple[object, ...], Quorum] = OrderedDict()
-_EXPANDED_SIZE = 8
-_EXPANDED_LOCK = threading.Lock()  # agent loops of one process may share it
-#: The last expansion, found by identity: the hundreds of agents of one
-#: process expand the same decoded message on the same base one after another.
-_LAST: tuple[object, object, Quorum | None] = (None, None, None)
+#: Quorum ids that a leader of term T creates start at (T - 1) * stride + 1.
+QUORUM_ID_STRIDE = 1_000_000_000
+
+
+def next_quorum_id(previous: Quorum | None, members: tuple[QuorumMember, ...],
+                   joins: Iterable[JoinRequested], term: int) -> int:
+    """Keep the id iff nothing changed; otherwise one more than the newest seen,
+    and at least the first id of this leader's term.
+
+    A member that reports an older id than the newest missed that quorum (it was
+    not in it, or its answer was lost), so for it the membership did change.
+
+    Why a range per term: a deposed leader that has not heard of its successor
+    yet may still form a quorum from joins sent to it earlier, and some of its
+    members may still accept it; the successor cannot know that quorum's id.
+    Ids from disjoint ranges keep "one id, one membership", so the all-reduce
+    handshake (which compares quorum ids) turns the stale members away.
+    """
+    joins = list(joins)
+    latest = max([previous.quorum_id if previous else 0] + [j.last_quorum_id for j in joins])
+    unchanged = (previous is not None and previous.quorum_id == latest
+                 and previous.roster == tuple((m.replica_id, m.address) for m in members)
+                 and all(j.last_quorum_id == latest and not j.commit_failed for j in joins))
+    return latest if unchanged else max(latest + 1, (term - 1) * QUORUM_ID_STRIDE + 1)
 
 
 def compact(announce: QuorumAnnounced, base: Quorum) -> QuorumDeltaAnnounced | None:
     """The compact form of ``announce`` for members holding ``base``, or None
     when it would not be much smaller (most of the roster changed)."""
     q = announce.quorum
-    new, old = q.roster, base.roster
-    removed: tuple[int, ...] = ()
-    added: tuple[tuple[int, str, Health], ...] = ()
-    if new == old:
-        share_views(q, base)
-    else:
-        known = {entry[0]: entry for entry in old}
-        members = q.index_of
-        removed = tuple(r for r in known if r not in members)
-        added = tuple(entry for entry in new if known.get(entry[0]) != entry)
-        if 2 * len(added) > len(new):
-            return None
-    answered, members = announce.answered, q.index_of
-    seqs = tuple(answered.get(r, 0) & SEQ_MASK for r in q.replica_ids)
-    others = {r: seq for r, seq in answered.items() if r not in members}
-    behind = tuple((m.replica_id, m.next_step) for m in q.members
-                   if m.next_step != q.max_step)
+    known = dict(base.roster)
+    removed = tuple(r for r in known if not q.includes(r))
+    added = tuple((r, a) for r, a in q.roster if known.get(r) != a)
+    if 2 * len(added) > len(q.members):
+        return None
+    seqs = tuple(announce.answered.get(r, 0) & SEQ_MASK for r in q.replica_ids)
+    behind = tuple((m.replica_id, m.next_step) for m in q.members if m.next_step != q.max_step)
     return QuorumDeltaAnnounced(announce.term, q.quorum_id, q.leader_id, q.max_step,
-                                base.digest, removed, added, behind, seqs, others)
+                                base.digest, removed, added, behind, seqs)
+
+
+def expand(delta: QuorumDeltaAnnounced, base: Quorum) -> Quorum:
+    """The quorum ``delta`` describes, given a ``base`` with its digest."""
+    gone = set(delta.removed) | {r for r, _ in delta.added}
+    roster = sorted([e for e in base.roster if e[0] not in gone] + list(delta.added))
+    steps = dict(delta.behind)
+    members = tuple(QuorumMember(r, steps.get(r, delta.max_step), a) for r, a in roster)
+    return Quorum(delta.quorum_id, members, delta.max_step, tuple(sorted(steps)), delta.term,
+                  delta.leader_id)
 
 
 def answers(delta: QuorumDeltaAnnounced, quorum: Quorum, me: int, join_seq: int) -> bool:
     """Whether ``delta`` (expanded to ``quorum``) answers ``me``'s bid ``join_seq``."""
     index = quorum.index_of.get(me)
-    if index is not None:
-        return index < len(delta.seqs) and delta.seqs[index] == join_seq & SEQ_MASK
-    return delta.others.get(me) == join_seq
+    return index is not None and index < len(delta.seqs) and \
+        delta.seqs[index] == join_seq & SEQ_MASK
 
 
-def expand(delta: QuorumDeltaAnnounced, base: Quorum) -> Quorum:
-    """The quorum ``delta`` describes, given a ``base`` with its digest."""
-    last_delta, last_base, last_quorum = _LAST
-    if last_delta is delta and last_base is base and last_quorum is not None:
-        return last_quorum  # the agents of one process share the decoded message
-    key = (delta.digest, delta.quorum_id, delta.max_step, delta.behind, delta.term,
-           delta.leader_id, delta.removed, delta.added)
-    with _EXPANDED_LOCK:
-        found = _EXPANDED.get(key)
-    if found is not None:
-        _remember(delta, base, found)
-        return found
-    roster = base.roster
-    if delta.removed or delta.added:
-        gone = set(delta.removed) | {entry[0] for entry in delta.added}
-        roster = tuple(sorted([e for e in roster if e[0] not in gone] + list(delta.added),
-                              key=lambda entry: entry[0]))
-    steps: Mapping[int, int] = dict(delta.behind)
-    top = delta.max_step
-    members = tuple(QuorumMember(r, steps.get(r, top), a, h) for r, a, h in roster)
-    quorum = Quorum(delta.quorum_id, members, top, tuple(sorted(steps)), delta.term,
-                    delta.leader_id)
-    if roster is base.roster:
-        share_views(quorum, base)
-    with _EXPANDED_LOCK:
-        _EXPANDED[key] = quorum
-        if len(_EXPANDED) > _EXPANDED_SIZE:
-            _EXPANDED.popitem(last=False)
-    _remember(delta, base, quorum)
-    return quorum
-
-
-def _remember(delta: QuorumDeltaAnnounced, base: Quorum, quorum: Quorum) -> None:
-    global _LAST
-    _LAST = (delta, base, quorum)  # one assignment: safe to read from any thread
-
-
-def share_views(quorum: Quorum, base: Quorum) -> None:
-    """Seed ``quorum``'s derived views from ``base``, whose roster it has:
-    equal values, computed once (they are caches, not fields)."""
-    for name in ("replica_ids", "index_of", "roster", "digest"):
-        quorum.__dict__[name] = getattr(base, name)
+def advance(quorum: Quorum, step: int) -> Quorum:
+    """``quorum`` one step on, as a standing quorum: the same id and members,
+    every member at ``step``. Each member works out the same value."""
+    return Quorum(quorum.quorum_id, tuple(QuorumMember(r, step, a) for r, a in quorum.roster),
+                  step, (), quorum.term, quorum.leader_id)

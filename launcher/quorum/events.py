@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 from ft_launch.events import Event
 
-from .model import Quorum
-
 
 @dataclass(frozen=True)
 class LeaderElected(Event):
@@ -38,11 +36,6 @@ class QuorumFormed(Event):
     term: int
     #: How long the leader's join window was open (first join -> formed).
     window_s: float = 0.0
-
-    @classmethod
-    def of(cls, replica_id: int, quorum: Quorum, window: float = 0.0) -> QuorumFormed:
-        return cls(replica_id, quorum.quorum_id, list(quorum.replica_ids), quorum.max_step,
-                   list(quorum.behind), quorum.term, window)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,12 @@
-"""The address the controller's witness advertises: one that the nodes can reach.
+"""The address a witness advertises: one that the nodes can reach.
 
-A host's name is a poor guide: a login node's often resolves to loopback
-(``127.0.1.1`` in its ``/etc/hosts``), and a witness advertised there holds
-``replicas - 1`` votes that no replica can reach, which costs two of three
-replicas their majority. Instead the witness takes the local source address of
-this host's route towards the allocation's nodes: a UDP socket ``connect()``ed
-to a node's address asks the kernel for the route and sends no packet.
-
-``choose_address`` is pure (routes in, a ``Reach`` out); ``probe`` is the shell
-that finds the routes. Without an address that reaches every probed node the
-controller does not vote, and says why: a witness that some replicas cannot
-reach would take their majority away, while no witness only costs the jobs that
-needed one to train on.
+A host's name is a poor guide: a login node's often resolves to loopback (its
+``/etc/hosts``), and a witness advertised there holds ``replicas - 1`` votes no
+replica can reach, which costs two of three replicas their majority. So the
+witness takes the local source address of this host's route towards the nodes (a
+UDP ``connect()`` asks the kernel for the route and sends nothing). Without one
+that reaches every probed node it does not vote, and says why. ``choose_address``
+is pure (routes in, a ``Reach`` out); ``probe`` finds the routes.
 """
 
 from __future__ import annotations

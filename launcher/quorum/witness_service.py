@@ -1,26 +1,18 @@
 """Running a witness voter: the controller's (witness 0) and ``ft-launch witness``.
 
 A witness needs what a replica's agent needs (the job id, the secret, the number
-of replicas, the peer directory) and never trains. The controller writes them
-to ``<run_dir>/quorum-witness.json`` (mode 0600, in the 0700 run directory) so
-that a witness on a login or service node that shares the run directory can
-join: ``ft-launch witness --run-dir RUN_DIR --index K``. The file also names the
-nodes the controller probed (``WitnessJob.nodes``): every witness advertises the
-source address of its own route towards them (``reach``), never its host name's.
+of replicas, the peer directory) and never trains. The controller writes them to
+``<run_dir>/quorum-witness.json`` (mode 0600) with the nodes it probed, so that a
+witness on a login or service node sharing the run directory can join at the
+source address of its own route towards them (``reach``). Whether witness 0
+votes is a fact of the run, not of its config: the controller writes it once it
+has started its witness at an address the nodes reach, before any replica starts,
+and every voter reads it from there (``run_witnesses``).
 
-Each witness keeps its memory (``witness.Memory``: term, vote, last round) in
-``<run_dir>/quorum-witness-<K>.memory.json``, written atomically and durably
-before it answers anything that depends on it, and read back when it starts
-again, so that a restarted witness does not endorse the other side of a
-partition. An unreadable memory is treated as "a round I do not know": the
-witness endorses nothing until it is told of a round whose members alone are
-a majority (safe; the job may wait for that).
-
-Whether witness 0 votes is a fact of the run, not of its config: the controller
-writes it (``WitnessJob.controller``) once it has found an address the nodes can
-reach (``reach``) and started its witness, before any replica starts, and every
-voter of the job reads it from there (``run_witnesses``). A controller that found
-none does not vote, and no replica counts it.
+Each voter keeps its ``Memory`` in a file of the run directory, written
+atomically and durably before it answers anything that depends on it. An
+unreadable memory counts as "a round I do not know": the witness endorses nothing
+until told of a round whose members alone are a majority (safe; the job may wait).
 """
 
 from __future__ import annotations
@@ -40,9 +32,8 @@ from ft_launch.files import atomic_write_text
 
 from .agent import QuorumAgent
 from .directory import FileDirectory
-from .model import WITNESS_BASE
+from .model import WITNESS_BASE, Memory
 from .reach import Reach, probe, spread
-from .witness import Memory
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from ft_launch.events import Event
 from ft_launch.launcher.worker.events import StepCommitted
 
-from .. import versions  # noqa: F401  (registers the code-version events the controller logs)
-from ..events import EventTail
+from ..controller import versions  # noqa: F401  (registers the code-version events)
+from ..controller.events import EventTail
 
 CONTROLLER_LOG = "controller.jsonl"
 

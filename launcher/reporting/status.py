@@ -21,8 +21,8 @@ from ft_launch.events import Event, NodeDrained, RunStarted
 from ft_launch.launcher.worker.events import StepCommitted
 from ft_launch.slurm.hostlist import compress
 
-from ..diagnosis import HangDiagnosisReported
-from ..events import (
+from ..controller.diagnosis import HangDiagnosisReported
+from ..controller.events import (
     ActionTaken,
     ControllerWitnessChosen,
     FullRestartOrdered,
@@ -36,7 +36,7 @@ from ..events import (
     SdcReplayReported,
     StandbyPromoted,
 )
-from ..versions import CodeRolledBack, CodeUpdateRequested, CodeVersionApplied
+from ..controller.versions import CodeRolledBack, CodeUpdateRequested, CodeVersionApplied
 from .runlog import RunTail
 from .timeline import BandState, replica_state
 

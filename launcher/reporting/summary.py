@@ -12,7 +12,7 @@ from pathlib import Path
 from ft_launch.errors import ExitCode
 from ft_launch.events import NodeDrained
 
-from .. import events as controller_events
+from ..controller import events as controller_events
 from .runlog import commits, controller_log
 
 

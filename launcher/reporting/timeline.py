@@ -11,7 +11,7 @@ Each replica is in one state at a time:
 
 Marks: failed (a node fault or a failed exit), relaunched (retry, relaunch,
 full restart, update restart), promoted (a warm standby took over), and code
-version changed (hot update or rollback, from ``ft_launch.launcher.versions``).
+version changed (hot update or rollback, from ``ft_launch.launcher.controller.versions``).
 
 The metric: the training loss against time per replica, when the training
 script hands it to ``commit(loss=...)`` (it lands in ``StepCommitted``), else the
@@ -31,8 +31,8 @@ from ft_launch.errors import ExitCode, UsageError
 from ft_launch.events import Event, RunStarted
 from ft_launch.launcher.worker.events import StepCommitted
 
-from .. import events as controller_events
-from .. import versions
+from ..controller import events as controller_events
+from ..controller import versions
 from .runlog import commits, controller_log
 
 

@@ -10,6 +10,18 @@ torch front end a training script adopts (``torch_hooks``: FSDP2's all-reduce
 hook, DDP's comm hook); ``task`` starts a replica's task with its torch world
 (``identity``); ``replay`` is the runtime's replay mode (one recorded step,
 digested, for the controller's dual-phase replay; ``replay_files`` its files).
-The controller imports only ``identity``, ``events``, ``replay_files`` and
-``task``'s command line.
+
+The worker contract: what the controller (``ft_launch.launcher.controller``) reads of
+the workers, torch-free; a change here is a change to both sides
+(tests/unit/test_controller_layout.py keeps this list exact):
+
+* ``identity``: who a worker is, from its step's environment, and its torch world
+* ``events``: the workers' event files (started, committed, discarded)
+* ``pids``: where each rank's process is (hang diagnosis)
+* ``rollbacks``: the run's rollbacks, as every launch passes them on
+* ``replay_files``: the files of a dual-phase replay
+
+and ``task``'s command line (``python -m ft_launch.launcher.worker.task``), which it
+runs but never imports. The other way, the workers read the controller's heartbeat
+(``ft_launch.launcher.heartbeat``).
 """

@@ -8,8 +8,8 @@ been through). Replicas that committed the same step in one history must agree;
 together the lines must show every replica's stream consumed gaplessly from 0,
 without overlap.
 
-A rollback (``ft_launch.launcher.rollback``) is in the audit too: the first process of each
-replica in history ``n`` appends ``{"rollback": n, "before_step": K,
+A rollback (``ft_launch.launcher.controller.rollback``) is in the audit too: the first
+process of each replica in history ``n`` appends ``{"rollback": n, "before_step": K,
 "restored_step": S}``, the spiking step and the state it restarted from. The history
 that follows supersedes the steps it trained again: if history ``n`` commits its
 first step ``F``, every line of an older history for a step ``F`` or later is rolled

@@ -15,6 +15,9 @@
   in the same run directory does not take it for its own). A replica that starts, or
   waits for a quorum, after that has nothing to join: it exits ``ExitCode.RUN_FINISHED``
   (77) at once (``NothingToJoin``), and the controller counts it finished.
+* **Different starts.** Replicas whose models differ at the first step, under
+  ``runtime.identical_start = refuse``, exit ``ExitCode.FATAL_NO_REQUEUE`` (78)
+  naming them (``DifferentStart``).
 * **No quorum.** A replica that cannot reach a quorum for
   ``runtime.max_consecutive_failures`` attempts in a row (the others are gone) exits
   ``ExitCode.RECOVERABLE`` (75) with what it waited for (``NoQuorum``).
@@ -77,6 +80,14 @@ class NoQuorum(WorkerExit):
 
     def __init__(self, message: str) -> None:
         super().__init__(ExitCode.RECOVERABLE, message)
+
+
+class DifferentStart(WorkerExit):
+    """The replicas' models differ at the run's first step and the run refuses to go
+    on (``runtime.identical_start = refuse``): retrying cannot help."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ExitCode.FATAL_NO_REQUEUE, message)
 
 
 class Terminated(WorkerExit):

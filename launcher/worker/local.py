@@ -26,7 +26,7 @@ from ft_launch.env import ENV_INJECT, ENV_PREFIX
 from ft_launch.errors import ExitCode
 from ft_launch.events import Event, EventLog, RunStarted, read_events
 from ft_launch.ids import new_job_secret
-from ft_launch.launcher.events import ReplicaExited, ReplicaLaunched, RunFinished
+from ft_launch.launcher.controller.events import ReplicaExited, ReplicaLaunched, RunFinished
 
 from . import events as worker_events
 from .identity import (

@@ -43,7 +43,7 @@ from ft_launch.ckpt.placement import global_rank, route_backups
 from ft_launch.ckpt.rank import RankCheckpointer, RankPlace
 from ft_launch.ckpt.restore import Restored, TierKind, peer_copies
 from ft_launch.ckpt.snapshot import DualBufferSnapshotter, StateSource
-from ft_launch.config import Config
+from ft_launch.config import Config, IdenticalStart
 from ft_launch.errors import ExitCode, FatalError, FtError, RecoverableError, TerminalAbort
 from ft_launch.events import EventLog
 from ft_launch.ftar import FtarGroup, ReduceOp
@@ -71,6 +71,7 @@ from .events import (
 )
 from .exchange import Job, StepWork
 from .exits import (
+    DifferentStart,
     FinishedRun,
     NoQuorum,
     ended_by_error,
@@ -140,6 +141,8 @@ class TrainState(Protocol):
     def zero_gradients(self) -> None: ...     # the step is dropped
     def begin_step(self) -> None: ...         # a step starts (a dropped one's effects undone)
     def set_gradient_sync(self, sync: bool) -> bool: ...   # Manager.no_sync; the old setting
+    def model_digest(self) -> str: ...        # of this rank's parameters and buffers
+    def copy_model(self, ftar: FtarGroup, step: int, source: bool) -> None: ...   # the source's
     def register_state(self, name: str, obj: Any) -> None: ...   # see Manager.register_state
     def apply(self, lr_factor: float) -> None: ...        # the optimizer step
     def snapshot_source(self, step: int, loader_state: Mapping[str, Any]) -> StateSource: ...
@@ -375,6 +378,9 @@ class Manager:
             return
         self._state.begin_step()
         self._snapshot_committed()
+        first = self._next_step == 0    # of the run: nothing was committed or restored
+        if first and not self._endpoints.start:
+            self._advertise_start()
         self._error, self._contribution, self._catch_up, self._plan = None, None, None, None
         self._loss_scale = 1.0
         # what the commit reports of the step: its time, the time this rank waited for
@@ -383,6 +389,46 @@ class Manager:
         self._plan_ready.clear()
         self._started, self._exchanged = True, False
         self._work.begin(self._settle_step)
+        if first:
+            self._start_identical()
+
+    def _advertise_start(self) -> None:
+        """Advertise every rank's model digest with the replica's endpoints (collective)."""
+        digests = self._group.all_gather(self._state.model_digest())
+        self._endpoints = dataclasses.replace(self._endpoints, start=tuple(digests))
+
+    def _start_identical(self) -> None:
+        """The run's first step, before its forward: replicas seeded apart (``seed +
+        RANK``, whose RANK restarts at 0 in every replica, or a per-replica seed) would
+        average the gradients of different models and never agree. DDP broadcasts rank
+        0's model at construction; here the lowest member's parameters and buffers go to
+        every member over the ring, or the run refuses (``runtime.identical_start``).
+        Waits for the quorum: this step's forward must see the model it trains."""
+        self._plan_ready.wait()
+        plan, me = self._plan, self._identity
+        if plan is None or not plan.diverged:
+            return
+        lowest, diverged = plan.members[0], ", ".join(map(str, plan.diverged))
+        if self._config.runtime.identical_start is IdenticalStart.REFUSE:
+            message = (f"replica(s) {diverged} start from another model than replica {lowest} "
+                       "(their parameters or buffers differ) and runtime.identical_start = "
+                       "refuse: seed the model alike in every replica (a replica's RANK "
+                       "restarts at 0), or set it to copy")
+            log.error("%s", message)
+            raise ending(DifferentStart(message))
+        self._work.submit(lambda: self._state.copy_model(
+            self._ftar, plan.step, source=me.replica_id == lowest)).wait()
+        if self._work.failed:   # the step is dropped at its commit; its retry copies again
+            return
+        self._advertise_start()
+        if self._endpoints.start != plan.reference:
+            raise FatalError(f"the model copied from replica {lowest} differs from its own "
+                             f"(digests {self._endpoints.start} vs {plan.reference})",
+                             replica_id=me.replica_id, rank=me.rank, step=plan.step)
+        if me.rank == 0:
+            log.warning("replica(s) %s started from another model than replica %d: every "
+                        "replica trains replica %d's, copied before step %d "
+                        "(runtime.identical_start = copy)", diverged, lowest, lowest, plan.step)
 
     def _snapshot_committed(self) -> None:
         """Start the snapshot of the step committed last, unless it is started."""
@@ -625,6 +671,8 @@ class Manager:
         self._ledger.commit(self._contribution)
         self._write_audit(plan, positions_before)
         self._next_step = plan.step + 1
+        if self._endpoints.start:   # compared at the first step only (start_step)
+            self._endpoints = dataclasses.replace(self._endpoints, start=())
         # snapshotted when the next step starts, with the ledger (whoever restores it
         # resumes every stream) and what the loop does after this (start_step)
         self._unsnapshotted = plan.step
@@ -653,7 +701,7 @@ class Manager:
         unplugged replica sends no FIN, and the ring alone would wait ``ftar.timeout``.
         So does a step of a standing quorum that its leader ended before it: a member
         asked for a round instead and will not come (or, ended by this replica, its
-        leader changed: it leaves the ring, see ``standing.on_leader_change``)."""
+        leader changed: it leaves the ring, see ``quorum.events.StandingEnded``)."""
         plan = self._plan
         if plan is None:
             return

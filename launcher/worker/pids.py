@@ -3,7 +3,7 @@
 A rank writes its file when its ``Manager`` starts (``{"replica_id", "rank", "node",
 "pid"}``; the pid is in its node's process namespace). The controller reads them
 when a replica hangs: it runs ``py-spy`` on each node against the pids listed for
-that node (``ft_launch.launcher.diagnosis``), and knows which rank sits on which node. It
+that node (``ft_launch.launcher.controller.diagnosis``), and knows which rank sits on which node. It
 clears a replica's files before each launch, so what it finds was written by the
 replica's current processes.
 """

@@ -38,24 +38,31 @@ class OtherHistoryError(RecoverableError):
 
 @dataclass(frozen=True)
 class ReplicaEndpoints:
-    """Where each rank of a replica listens: FTAR data plane and state server; and
-    the history of the state it trains (``worker.rollbacks``)."""
+    """Where each rank of a replica listens: FTAR data plane and state server; the
+    history of the state it trains (``worker.rollbacks``); and, until the run's first
+    step commits, a digest of each rank's model (``start``: which replicas started
+    from another model, see ``StepPlan.diverged``)."""
 
     ftar: tuple[Address, ...]
     state: tuple[Address, ...]
     history: int = 0
+    start: tuple[str, ...] = ()
 
     def encode(self) -> str:
-        return json.dumps({"ftar": [list(a) for a in self.ftar],
-                           "state": [list(a) for a in self.state], "history": self.history},
-                          separators=(",", ":"))
+        fields: dict[str, object] = {"ftar": [list(a) for a in self.ftar],
+                                     "state": [list(a) for a in self.state],
+                                     "history": self.history}
+        if self.start:
+            fields["start"] = list(self.start)
+        return json.dumps(fields, separators=(",", ":"))
 
     @staticmethod
     def decode(text: str) -> ReplicaEndpoints:
         raw = json.loads(text)
         return ReplicaEndpoints(tuple((h, int(p)) for h, p in raw["ftar"]),
                                 tuple((h, int(p)) for h, p in raw["state"]),
-                                int(raw.get("history", 0)))
+                                int(raw.get("history", 0)),
+                                tuple(str(d) for d in raw.get("start", ())))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -90,6 +97,10 @@ class StepPlan:
     my_index: int
     fetch_from: tuple[Address, ...]  # state servers to fetch ``step - 1`` from, in order
     members: tuple[int, ...]
+    #: the run's first step only: the members whose models differ from the lowest
+    #: member's (its ``start`` digests, ``reference``), who must take its model
+    diverged: tuple[int, ...] = ()
+    reference: tuple[str, ...] = ()
 
 
 def plan_step(view: QuorumView, replica_id: int, rank: int, last_quorum_id: int | None,
@@ -126,11 +137,16 @@ def plan_step(view: QuorumView, replica_id: int, rank: int, last_quorum_id: int 
                                    replica_id=replica_id, quorum_id=view.quorum_id)
         fetch_from = tuple(endpoints[r].state[rank]
                            for r in fetch_order(rank, replica_id, view.behind, healthy))
+    first = view.max_step == 0     # nothing committed yet: every member starts now
+    reference = endpoints[replicas[0]].start if first else ()
     return StepPlan(step=view.max_step, quorum_id=view.quorum_id,
                     kind=StepKind.CATCH_UP if behind else StepKind.TRAIN,
                     reconfigure=view.quorum_id != last_quorum_id, ring=ring,
                     my_index=replicas.index(replica_id), fetch_from=fetch_from,
-                    members=tuple(replicas))
+                    members=tuple(replicas),
+                    diverged=tuple(r for r in replicas
+                                   if first and endpoints[r].start != reference),
+                    reference=reference)
 
 
 def fetch_order(rank: int, replica_id: int, behind: Sequence[int],

@@ -3,7 +3,7 @@ user's own training script, unchanged, on the nodes the controller picks.
 
 ``ft-launch run`` starts the script with ``FTL_WORKER_REPLAY=<spec>`` (see
 ``replay_files``) when a replica keeps computing NaN/Inf and it must find which of
-its nodes does (``ft_launch.launcher.sdc_replay``). ``ft_manager`` then returns a
+its nodes does (``ft_launch.launcher.controller.sdc_replay``). ``ft_manager`` then returns a
 ``ReplayManager`` instead of a ``Manager``: the script's loop runs as ever, but
 
 * at start, no quorum is joined and no state server started: rank K loads rank K's

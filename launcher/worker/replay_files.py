@@ -4,7 +4,7 @@ Everything lives under ``<run_dir>/replay/``:
 
 * ``servers/replica-R.json``: where each rank of replica R serves its snapshots.
   Rank 0 writes it when its ``Manager`` starts; the controller reads it to capture
-  a healthy replica's state (``ft_launch.launcher.sdc_replay``).
+  a healthy replica's state (``ft_launch.launcher.controller.sdc_replay``).
 * ``<id>/state/rank-K.manifest`` and ``rank-K.bin``: that captured state, one step
   of every rank's shard, pinned for the whole replay (a training replica moves on
   and its snapshot buffers with it). Read back CRC-checked.

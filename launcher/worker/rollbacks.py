@@ -1,10 +1,11 @@
 """What a worker knows of the run's rollbacks (pure): which states it may restore,
 which peers it may train with.
 
-When the loss spikes the controller rolls every replica back (``ft_launch.launcher.rollback``):
-it restarts them all with ``FTL_WORKER_ROLLBACKS`` naming the spiking step of every
-rollback so far, in order (``"120,415"``: rolled back twice, first to before step
-120). The count is this worker's *history*: 0 for a run never rolled back.
+When the loss spikes the controller rolls every replica back
+(``ft_launch.launcher.controller.rollback``): it restarts them all with
+``FTL_WORKER_ROLLBACKS`` naming the spiking step of every rollback so far, in order
+(``"120,415"``: rolled back twice, first to before step 120). The count is this
+worker's *history*: 0 for a run never rolled back.
 
 Every state a worker saves (snapshot, backup, checkpoint) records its history in its
 loader state, and so does every audit line and every commit. Then:

@@ -80,6 +80,7 @@ from ft_launch.ckpt.torch_state import (
 )
 from ft_launch.config import Config, load_config
 from ft_launch.errors import UsageError
+from ft_launch.ftar import FtarGroup
 
 from .faults import node_sdc_probe
 from .identity import ENV_CONFIG, ENV_INCARNATION, WorkerIdentity
@@ -93,6 +94,7 @@ from .torch_hooks import (
     reduce_gradient,
     scaler_found_inf,
 )
+from .torch_start import copy_model, model_digest
 
 __all__ = ["FtOptimizer", "Manager", "TorchReplicaGroup", "TorchTrainState", "ft_manager"]
 
@@ -354,6 +356,12 @@ class TorchTrainState:
                 log.warning("the state restored holds %r, which the script did not register "
                             "before its first step: it is kept in the snapshots, unused "
                             "(manager.register_state(%r, obj) loads it)", name, name)
+
+    def model_digest(self) -> str:
+        return model_digest(self.model)
+
+    def copy_model(self, ftar: FtarGroup, step: int, source: bool) -> None:
+        copy_model(self.model, ftar, step, source)
 
     # ------------------------------------------------------------------ the step, state
 

@@ -1,16 +1,17 @@
-"""Metric anomalies and the detection monitor, on scripted series and a scripted clock."""
+"""Metric anomalies (``ft_launch.health.anomaly``) and the detection library's monitor
+(``benchmarks/detection``), on scripted series and a scripted clock."""
 
 import math
 
 import pytest
 
+from benchmarks.detection.monitor import AlarmKind, DetectionMonitor, MonitorSettings
 from ft_launch.health.anomaly import (
     AnomalyKind,
     MetricAnomalyDetector,
     SlowdownDetector,
     SpikeDetector,
 )
-from ft_launch.health.monitor import AlarmKind, DetectionMonitor, MonitorSettings
 from ft_launch.health.wire import Envelope, MessageKind
 
 
@@ -113,12 +114,3 @@ def test_monitor_turns_a_failed_inspection_into_one_alarm():
     assert [(a.kind, a.node, a.detail) for a in alarms] == \
         [(AlarmKind.NODE_FAILED, "n4", "gpu3 xid 79")]
     assert monitor.observe(report, 2.0) == []
-
-
-def test_health_events_round_trip_through_the_event_log_format():
-    from ft_launch.events import event_from_json
-    from ft_launch.health.events import DetectionAlarmRaised, OverEvictionDecided
-    for event in (DetectionAlarmRaised(kind="hang", detail="no step", step=7),
-                  OverEvictionDecided(trigger="hang", group="pp:2", nodes=["n4", "n5"],
-                                      outlier_ranks=[4, 5])):
-        assert event_from_json(event.to_json()) == event

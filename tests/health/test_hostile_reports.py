@@ -21,10 +21,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.detection.monitor import DetectionMonitor
 from ft_launch.config import HealthConfig
 from ft_launch.health.channel import Collector, Sender
 from ft_launch.health.inspection import SECRET_ENV, node_alarm, report_from
-from ft_launch.health.monitor import DetectionMonitor
 from ft_launch.health.settings import ENV_CONFIG
 from ft_launch.health.wire import (
     MAX_FRAME_BYTES,
@@ -36,7 +36,7 @@ from ft_launch.health.wire import (
     encode,
 )
 from ft_launch.ids import new_job_secret, sign
-from ft_launch.launcher.inspection import NodeInspection
+from ft_launch.launcher.controller.inspection import NodeInspection
 from ft_launch.logs import SAMPLE_EVERY
 from tests.waiting import wait_until
 from tests.zmtp import RawPeer

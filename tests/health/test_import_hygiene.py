@@ -7,10 +7,10 @@ import sys
 import pytest
 
 TORCH_FREE = ["ft_launch.health.catalog", "ft_launch.health.settings",
-              "ft_launch.health.inspection", "ft_launch.health.monitor",
-              "ft_launch.health.aggregation", "ft_launch.health.tracer", "ft_launch.health.replay",
-              "ft_launch.health.replay_runner", "ft_launch.health.alignment",
-              "ft_launch.health.events", "ft_launch.slurm_plugins.hook"]
+              "ft_launch.health.inspection", "ft_launch.health.aggregation",
+              "ft_launch.health.replay", "ft_launch.health.replay_runner",
+              "ft_launch.health.alignment", "ft_launch.health.gate",
+              "ft_launch.slurm_plugins.hook", "ft_launch.slurm_plugins.gate"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
@@ -23,8 +23,8 @@ def test_module_does_not_import_torch(module):
 
 
 def test_health_imports_no_launcher_package():
-    code = ("import sys, ft_launch.health.settings, ft_launch.health.monitor, "
-            "ft_launch.health.tracer, ft_launch.slurm_plugins.gate; "
+    code = ("import sys, ft_launch.health.settings, ft_launch.health.aggregation, "
+            "ft_launch.health.gate, ft_launch.slurm_plugins.gate; "
             "print(sorted({'.'.join(m.split('.')[:2]) for m in sys.modules} & "
             "{'ft_launch.launcher', 'ft_launch.ftar', 'ft_launch.ckpt'}))")
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,

@@ -5,16 +5,19 @@ import json
 import os
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 
 from ft_launch.errors import UsageError
 from ft_launch.health.replay import ReplayStatus, feasible_ks, locate, plan_replay_grid
-from ft_launch.health.replay_job import reference_digest, workload_digest
 from ft_launch.health.replay_runner import LocalGroupLauncher, SrunGroupLauncher, run_replay
 from ft_launch.slurm.client import SlurmCli
+from tests.health.replay_job import reference_digest, workload_digest
 
 NODES = [f"n{i:02d}" for i in range(16)]
+#: the stand-in replay job, run by path as a Slurm step would run it
+REPLAY_JOB = Path(__file__).with_name("replay_job.py")
 
 
 def test_grid_columns_hold_whole_pipelines():
@@ -61,7 +64,7 @@ def test_local_replay_finds_the_node_injected_with_silent_corruption(tmp_path):
     config = tmp_path / "health.toml"
     config.write_text(f'[health]\nbackend = "simulated"\nsim_fault_dir = "{tmp_path}"\n')
     launcher = LocalGroupLauncher(
-        [sys.executable, "-m", "ft_launch.health.replay_job", "--expect", reference_digest()],
+        [sys.executable, str(REPLAY_JOB), "--expect", reference_digest()],
         env={**os.environ, "FTL_CONFIG": str(config)})
     grid = plan_replay_grid(NODES[:8], pp=2, dp=4, k=1)
     verdict, outcomes = run_replay(grid, launcher)
@@ -80,7 +83,7 @@ def test_srun_launcher_runs_one_step_per_group(tmp_path):
     slurm = SlurmCli(env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
                           "LOG": str(log)})
     launcher = SrunGroupLauncher(slurm,
-                                 ["python", "-m", "ft_launch.health.replay_job", "--expect", "x"],
+                                 ["python", str(REPLAY_JOB), "--expect", "x"],
                                  job_id="77", timeout=30)
     grid = plan_replay_grid(NODES[:4], pp=1, dp=4, k=2)      # 2 x 2
     verdict, _ = run_replay(grid, launcher)

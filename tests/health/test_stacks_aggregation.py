@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.detection.tracer import fail_slow_eviction, hang_eviction
 from ft_launch.health.aggregation import (
     FailSlowVote,
     GroupKey,
@@ -20,7 +21,6 @@ from ft_launch.health.aggregation import (
     signature,
 )
 from ft_launch.health.stacks import Frame, ProcessStack, ThreadStack, parse_pyspy_json
-from ft_launch.health.tracer import fail_slow_eviction, hang_eviction
 
 WORKER = Path(__file__).with_name("stack_worker.py")
 SITE = "/usr/lib/python3.11/site-packages/zmq/sugar/socket.py"

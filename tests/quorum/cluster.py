@@ -17,7 +17,9 @@ from typing import Any
 
 from ft_launch.config import QuorumConfig
 from ft_launch.ids import new_job_secret
-from ft_launch.launcher.quorum import FileDirectory, Quorum, QuorumAgent, QuorumStatus
+from ft_launch.launcher.quorum import FileDirectory, QuorumAgent
+from ft_launch.launcher.quorum.agent import QuorumStatus
+from ft_launch.launcher.quorum.model import Quorum
 from ft_launch.launcher.quorum.witness_service import MemoryFile
 from tests.waiting import patience, wait_until
 
@@ -64,7 +66,7 @@ def member_main(conn: Any, replica_id: int, replicas: int, directory: str, secre
         elif command == "status":
             reply("status", agent.status())
         elif command == "stats":
-            reply("stats", agent.stats().counts)
+            reply("stats", agent.stats())
         elif command == "drop":
             agent.drop_traffic(args[0])
             reply("ok")

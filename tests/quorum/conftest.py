@@ -7,20 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ft_launch.launcher.quorum import core, election, formation, model, witness
-
 from .cluster import Cluster, MakeCluster
-
-#: The core's modules that copy its values with ``model.evolve``.
-_EVOLVING = (core, election, formation, witness)
-
-
-@pytest.fixture(autouse=True)
-def _checked_evolve(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every copy the core makes in these tests names real fields (``evolve``
-    itself takes them on trust, for speed)."""
-    for module in _EVOLVING:
-        monkeypatch.setattr(module, "evolve", model.checked_evolve)
 
 
 @pytest.fixture

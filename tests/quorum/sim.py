@@ -13,24 +13,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ft_launch.launcher.quorum.core import decide, initial_state, next_deadline
-from ft_launch.launcher.quorum.model import Health, QuorumParams, Role
-from ft_launch.launcher.quorum.state import (
-    Action,
-    DeliverQuorum,
-    FailQuorumRequest,
-    Input,
-    MessageReceived,
-    QuorumRequested,
-    QuorumState,
-    Send,
-    TimerFired,
-)
-from ft_launch.launcher.quorum.witness import memory_of, restore
+from ft_launch.launcher.quorum.core import QuorumCore
+from ft_launch.launcher.quorum.election import Action, Deliver, Fail, Send
+from ft_launch.launcher.quorum.events import QuorumFormed
+from ft_launch.launcher.quorum.model import Quorum, QuorumParams, Role
+
+from .builders import Input, MessageReceived, QuorumRequested, TimerFired, feed
 
 FAST = QuorumParams(min_replicas=1, join_timeout=0.5, heartbeat_interval=0.05,
                     election_timeout=0.3, election_spread=0.3, member_timeout=0.6,
-                    ack_interval=0.15)
+                    ack_interval=0.15, standing=False)
 
 
 @dataclass
@@ -41,9 +33,11 @@ class Sim:
     jitter: float = 0.0
     seed: int = 1
     now: float = 0.0
-    states: dict[int, QuorumState] = field(default_factory=dict)
+    states: dict[int, QuorumCore] = field(default_factory=dict)
     delivered: dict[int, list[Any]] = field(default_factory=dict)
-    failed: dict[int, list[FailQuorumRequest]] = field(default_factory=dict)
+    failed: dict[int, list[Fail]] = field(default_factory=dict)
+    #: Every quorum a leader formed, as it formed it.
+    formed: list[Quorum] = field(default_factory=list)
     actions: list[tuple[int, Action]] = field(default_factory=list)
     dead: set[int] = field(default_factory=set)
     cut: set[frozenset[int]] = field(default_factory=set)
@@ -64,15 +58,14 @@ class Sim:
     def start(self, r: int, ids: Iterable[int] | None = None, seq_base: int = 0,
               remember: bool = True) -> None:
         """(Re)start voter ``r``. A restart keeps what the product's voters keep in
-        their memory files (``witness.Memory``: term, vote, a witness's last round)
+        their memory files (``model.Memory``: term, vote, a witness's last round)
         unless ``remember`` is False."""
         previous = self.states.get(r)
         voters = list(ids) if ids is not None else sorted(self.states[r].voters)
-        self.states[r] = initial_state(r, voters, self.params, self.now,
-                                       seed=self.seed, join_seq_base=seq_base,
-                                       witnesses=self.witnesses)
+        self.states[r] = QuorumCore(r, voters, self.params, self.now, seed=self.seed,
+                                    join_seq_base=seq_base, witnesses=self.witnesses)
         if remember and previous is not None:
-            self.states[r] = restore(self.states[r], memory_of(previous))
+            self.states[r].restore(previous.memory())
         self.dead.discard(r)
         self.delivered.setdefault(r, [])
         self.failed.setdefault(r, [])
@@ -93,9 +86,7 @@ class Sim:
     def feed(self, r: int, event: Input) -> None:
         if r in self.dead:
             return
-        state, actions = decide(self.states[r], event, self.now)
-        self.states[r] = state
-        for action in actions:
+        for action in feed(self.states[r], event, self.now):
             self.actions.append((r, action))
             self._perform(r, action)
 
@@ -108,19 +99,21 @@ class Sim:
                 delay = self.latency + self.jitter * self._rng.random()
                 heapq.heappush(self._queue, (self.now + delay, next(self._order), to,
                                              MessageReceived(r, action.message)))
-        elif isinstance(action, DeliverQuorum):
+        elif isinstance(action, Deliver):
             self.delivered[r].append(action.quorum)
-        elif isinstance(action, FailQuorumRequest):
+        elif isinstance(action, QuorumFormed):
+            self.formed.append(self.states[r].last_formed)  # type: ignore[arg-type]
+        elif isinstance(action, Fail):
             self.failed[r].append(action)
 
-    def request(self, r: int, step: int, health: Health = Health.OK) -> None:
-        self.feed(r, QuorumRequested(step, f"tcp://r{r}", health))
+    def request(self, r: int, step: int) -> None:
+        self.feed(r, QuorumRequested(step, f"tcp://r{r}"))
 
     def run(self, seconds: float) -> None:
         """Advance time, delivering messages and firing timers in order."""
         end = self.now + seconds
         while True:
-            timers = [(next_deadline(s, self.now), r) for r, s in self.states.items()
+            timers = [(s.next_deadline(self.now), r) for r, s in self.states.items()
                       if r not in self.dead]
             when_timer, who = min(timers)
             when_msg = self._queue[0][0] if self._queue else float("inf")

@@ -2,42 +2,46 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 
-from ft_launch.launcher.quorum.core import initial_state, next_deadline
-from ft_launch.launcher.quorum.election import unit_draw
+from ft_launch.launcher.quorum.core import QuorumCore
+from ft_launch.launcher.quorum.election import Fail, Send, unit_draw
+from ft_launch.launcher.quorum.events import (
+    LeaderElected,
+    LeadershipLost,
+    MajorityLost,
+    MajorityRegained,
+    MembersLivenessChanged,
+)
 from ft_launch.launcher.quorum.model import (
-    Health,
     Heartbeat,
     HeartbeatAcked,
     JoinRequested,
     QuorumParams,
     Role,
-    TimeoutNow,
     VoteAnswered,
     VoteRequested,
-    evolve,
 )
-from ft_launch.launcher.quorum.state import (
-    FailQuorumRequest,
-    LeadershipTransferRequested,
-    MessageReceived,
-    NotifyLeaderElected,
-    NotifyLeadershipLost,
-    NotifyLivenessChanged,
-    NotifyMajorityLost,
-    NotifyMajorityRegained,
-    QuorumRequested,
-    QuorumState,
-    Send,
-)
-from ft_launch.launcher.quorum.witness import memory_of, restore
 
-from .builders import NOW, PARAMS, TERM, address, follower, leader, run, sent, tick
+from .builders import (
+    NOW,
+    PARAMS,
+    TERM,
+    MessageReceived,
+    QuorumRequested,
+    address,
+    fact,
+    follower,
+    leader,
+    run,
+    sent,
+    tick,
+)
 
 
 def got(sender: int, message: object) -> MessageReceived:
@@ -54,7 +58,7 @@ LEASE_OVER = NOW + PARAMS.election_timeout + 0.01
 @dataclass(frozen=True)
 class VoteCase:
     name: str
-    state: Callable[[], QuorumState]
+    state: Callable[[], QuorumCore]
     request: VoteRequested
     now: float
     granted: bool
@@ -76,10 +80,6 @@ VOTE_CASES = [
              VoteRequested(TERM - 1), LEASE_OVER, False, TERM),
     VoteCase("a leader refuses every vote", lambda: leader(live=(0, 1, 2, 3, 4)),
              VoteRequested(TERM + 5), NOW, False, TERM),
-    VoteCase("a transfer vote ignores the lease", follower,
-             VoteRequested(TERM + 1, transfer=True), NOW + 0.1, True, TERM + 1),
-    VoteCase("a transfer vote deposes the leader", lambda: leader(live=(0, 1, 2, 3, 4)),
-             VoteRequested(TERM + 1, transfer=True), NOW, True, TERM + 1),
 ]
 
 
@@ -100,7 +100,7 @@ def test_one_vote_per_term() -> None:
     state, again = run(state, [got(2, VoteRequested(TERM + 1))], now=LEASE_OVER)
     assert [a.granted for _, a in answers(first) + answers(second) + answers(again)] == \
         [True, False, True]
-    assert state.election.voted_for == 2
+    assert state.voted_for == 2
 
 
 @pytest.mark.parametrize("remember", [True, False])
@@ -109,15 +109,16 @@ def test_a_restarted_voter_votes_again_in_a_term_only_if_it_forgot(remember: boo
     vote on a restart could give both theirs (two leaders in one term)."""
     state = follower(leader_id=None)
     state, first = run(state, [got(2, VoteRequested(TERM + 1))], now=LEASE_OVER)
-    fresh = initial_state(state.me, state.voters, PARAMS, LEASE_OVER, seed=2)
-    restarted = restore(fresh, memory_of(state)) if remember else fresh
+    restarted = QuorumCore(state.me, state.voters, PARAMS, LEASE_OVER, seed=2)
+    if remember:
+        restarted.restore(state.memory())
     restarted, second = run(restarted, [got(3, VoteRequested(TERM + 1))], now=LEASE_OVER)
     assert [a.granted for _, a in answers(first) + answers(second)] == [True, not remember]
 
 
 def test_timeout_starts_a_pre_vote_without_raising_the_term() -> None:
     state = follower()
-    state, actions = tick(state, state.election.deadline)
+    state, actions = tick(state, state.deadline)
     [request] = sent(actions, VoteRequested)
     assert (state.role, state.term, state.leader_id) == (Role.PRE_CANDIDATE, TERM, None)
     assert request.message == VoteRequested(TERM + 1, pre_vote=True)
@@ -125,8 +126,8 @@ def test_timeout_starts_a_pre_vote_without_raising_the_term() -> None:
 
 
 def test_pre_vote_majority_then_vote_majority_makes_a_leader() -> None:
-    state, _ = tick(follower(), follower().election.deadline)
-    at = follower().election.deadline
+    state, _ = tick(follower(), follower().deadline)
+    at = follower().deadline
     state, actions = run(state, [got(2, VoteAnswered(TERM + 1, True, True)),
                                  got(3, VoteAnswered(TERM + 1, True, True))], now=at)
     assert (state.role, state.term) == (Role.CANDIDATE, TERM + 1)
@@ -134,7 +135,7 @@ def test_pre_vote_majority_then_vote_majority_makes_a_leader() -> None:
     state, actions = run(state, [got(2, VoteAnswered(TERM + 1, True)),
                                  got(3, VoteAnswered(TERM + 1, True))], now=at)
     assert (state.role, state.leader_id) == (Role.LEADER, 1)
-    assert NotifyLeaderElected(TERM + 1, 1) in actions
+    assert fact(LeaderElected, 1, 1, TERM + 1) in actions
     [heartbeat] = sent(actions, Heartbeat)  # lease taken at once
     assert heartbeat.to == (0, 2, 3, 4)
 
@@ -142,31 +143,31 @@ def test_pre_vote_majority_then_vote_majority_makes_a_leader() -> None:
 def test_new_leader_presumes_alive_all_but_the_silent_leader_and_suspects() -> None:
     state = follower()
     state, _ = run(state, [got(0, Heartbeat(TERM, suspects=(4,)))], now=NOW)
-    at = state.election.deadline
+    at = state.deadline
     state, _ = tick(state, at)
     state, actions = run(state, [got(2, VoteAnswered(TERM + 1, True, True)),
                                  got(3, VoteAnswered(TERM + 1, True, True)),
                                  got(2, VoteAnswered(TERM + 1, True)),
                                  got(3, VoteAnswered(TERM + 1, True))], now=at)
     assert state.role is Role.LEADER
-    assert state.leadership.live == frozenset({1, 2, 3})
+    assert state.lead is not None and state.lead.live == frozenset({1, 2, 3})
     # The silent leader is lost to this replica too (4 was reported on the heartbeat).
-    assert NotifyLivenessChanged((0,), ()) in actions
+    assert fact(MembersLivenessChanged, 1, [0], []) in actions
 
 
 def test_a_follower_reports_the_suspects_the_leader_announces_when_they_change() -> None:
     state, actions = run(follower(), [got(0, Heartbeat(TERM, suspects=(3, 4)))], now=NOW)
-    assert NotifyLivenessChanged((3, 4), ()) in actions
+    assert fact(MembersLivenessChanged, 1, [3, 4], []) in actions
     state, actions = run(state, [got(0, Heartbeat(TERM, suspects=(3, 4)))], now=NOW + 0.1)
-    assert not [a for a in actions if isinstance(a, NotifyLivenessChanged)]
+    assert not [a for a in actions if isinstance(a, MembersLivenessChanged)]
     state, actions = run(state, [got(0, Heartbeat(TERM, suspects=(4,)))], now=NOW + 0.2)
-    assert NotifyLivenessChanged((), (3,)) in actions
+    assert fact(MembersLivenessChanged, 1, [], [3]) in actions
 
 
 def test_a_higher_term_deposes_the_leader() -> None:
     state, actions = run(leader(live=(0, 1, 2)), [got(1, HeartbeatAcked(TERM + 2))])
     assert (state.role, state.term, state.leader_id) == (Role.FOLLOWER, TERM + 2, None)
-    assert any(isinstance(a, NotifyLeadershipLost) for a in actions)
+    assert any(isinstance(a, LeadershipLost) for a in actions)
 
 
 def test_a_stale_leader_is_told_the_current_term() -> None:
@@ -191,7 +192,7 @@ def test_heartbeats_are_acknowledged_at_most_every_ack_interval() -> None:
 def test_a_join_to_the_leader_stands_in_for_the_next_ack() -> None:
     state, _ = run(follower(), [got(0, Heartbeat(TERM))], now=NOW)
     joined_at = NOW + PARAMS.ack_interval
-    state, actions = run(state, [QuorumRequested(5, address(1), Health.OK)], now=joined_at)
+    state, actions = run(state, [QuorumRequested(5, address(1))], now=joined_at)
     assert [a.to for a in sent(actions, JoinRequested)] == [(0,)]
     late = joined_at + PARAMS.ack_interval
     for now, acks in ((joined_at + 0.01, 0), (late - 0.01, 0), (late + 0.01, 1)):
@@ -203,14 +204,14 @@ def test_leader_detects_a_dead_member_within_member_timeout() -> None:
     state = leader(live=(0, 1, 2, 3, 4))
     now = NOW
     while now < NOW + PARAMS.member_timeout + 0.3:
-        now = next_deadline(state, now)
+        now = state.next_deadline(now)
         alive = [got(m, HeartbeatAcked(TERM)) for m in (1, 2, 3)]  # 4 went silent
         state, actions = run(state, alive, now=now)
         state, more = tick(state, now)
-        lost = [a for a in actions + more if isinstance(a, NotifyLivenessChanged)]
+        lost = [a for a in actions + more if isinstance(a, MembersLivenessChanged)]
         if lost:
             break
-    assert lost == [NotifyLivenessChanged(lost=(4,), recovered=())]
+    assert lost == [fact(MembersLivenessChanged, 0, [4], [])]
     assert NOW + PARAMS.member_timeout <= now <= NOW + PARAMS.member_timeout + 0.11
     [heartbeat] = sent(more, Heartbeat) or sent(actions, Heartbeat)
     assert heartbeat.message.suspects == (4,)
@@ -221,8 +222,8 @@ def test_check_quorum_leader_without_a_majority_steps_down() -> None:
     state, actions = tick(state, NOW + PARAMS.member_timeout - 0.05)
     assert state.role is Role.LEADER
     state, actions = tick(state, NOW + PARAMS.member_timeout + 0.05)
-    assert (state.role, state.election.majority_lost) == (Role.FOLLOWER, True)
-    assert NotifyMajorityLost((0,)) in actions
+    assert (state.role, state.majority_lost) == (Role.FOLLOWER, True)
+    assert fact(MajorityLost, 0, [0], 5) in actions
 
 
 def test_cut_off_member_reports_majority_lost_and_fails_its_request() -> None:
@@ -230,59 +231,43 @@ def test_cut_off_member_reports_majority_lost_and_fails_its_request() -> None:
     state, _ = run(state, [QuorumRequested(10, address(1))], now=NOW)
     now, reported = NOW, []
     while now < NOW + 5 and not reported:
-        now = next_deadline(state, now)
+        now = state.next_deadline(now)
         state, actions = tick(state, now)
-        reported = [a for a in actions if isinstance(a, FailQuorumRequest)]
+        reported = [a for a in actions if isinstance(a, Fail)]
     window = max(PARAMS.member_timeout, PARAMS.election_timeout + PARAMS.election_spread)
     assert now == pytest.approx(NOW + window, abs=PARAMS.heartbeat_interval)
     assert reported[0].reachable == (1,)
-    assert state.election.majority_lost
+    assert state.majority_lost
     # Asking again fails at once; a leader's heartbeat ends it.
     state, actions = run(state, [QuorumRequested(11, address(1))], now=now)
-    assert isinstance(actions[0], FailQuorumRequest)
+    assert isinstance(actions[0], Fail)
     state, actions = run(state, [got(2, Heartbeat(TERM + 1))], now=now)
-    assert NotifyMajorityRegained(2) in actions and not state.election.majority_lost
+    assert fact(MajorityRegained, 1, 2) in actions and not state.majority_lost
 
 
 def test_majority_not_lost_while_a_majority_answers_pre_votes() -> None:
     state = follower()
     now = NOW
     while now < NOW + 6:
-        now = next_deadline(state, now)
+        now = state.next_deadline(now)
         state, actions = tick(state, now)
         for request in sent(actions, VoteRequested):  # 2 and 3 answer, without a winner
             state, _ = run(state, [got(2, VoteAnswered(state.term, False)),
                                    got(3, VoteAnswered(state.term, False))], now=now)
-    assert not state.election.majority_lost
-
-
-def test_leadership_transfer() -> None:
-    _, actions = run(leader(live=(0, 1, 2, 3, 4)), [LeadershipTransferRequested(3)])
-    [timeout_now] = sent(actions, TimeoutNow)
-    assert timeout_now.to == (3,)
-    target, actions = run(follower(3), [got(0, timeout_now.message)], now=NOW + 0.01)
-    assert (target.role, target.term) == (Role.CANDIDATE, TERM + 1)
-    [request] = sent(actions, VoteRequested)
-    assert request.message == VoteRequested(TERM + 1, transfer=True)
-
-
-def test_timeout_now_from_a_non_leader_is_ignored() -> None:
-    state, actions = run(follower(3), [got(2, TimeoutNow(TERM))])
-    assert (state.role, actions) == (Role.FOLLOWER, [])
+    assert not state.majority_lost
 
 
 def test_an_unelectable_member_never_campaigns() -> None:
-    state = evolve(follower(), electable=False)
+    state = follower()
+    state.electable = False
     state, actions = tick(state, NOW + 60)
     assert state.role is Role.FOLLOWER and not sent(actions, VoteRequested)
-    state, actions = run(state, [got(0, TimeoutNow(TERM))])
-    assert state.role is Role.FOLLOWER
 
 
 def test_a_single_replica_leads_at_once() -> None:
-    state = initial_state(0, [0], PARAMS, NOW)
+    state = QuorumCore(0, [0], PARAMS, NOW)
     state, actions = tick(state, NOW)
-    assert state.role is Role.LEADER and NotifyLeaderElected(1, 0) in actions
+    assert state.role is Role.LEADER and fact(LeaderElected, 0, 0, 1) in actions
 
 
 def test_election_timeouts_are_randomised_reproducibly() -> None:
@@ -291,7 +276,7 @@ def test_election_timeouts_are_randomised_reproducibly() -> None:
     assert 0.45 < sum(draws) / len(draws) < 0.55
     assert draws == [unit_draw(seed=42, me=1, draw=i) for i in range(2000)]
     assert draws[:5] != [unit_draw(seed=42, me=2, draw=i) for i in range(5)]
-    deadlines = [initial_state(r, range(5), PARAMS, 0.0, seed=7).election.deadline
+    deadlines = [QuorumCore(r, range(5), PARAMS, 0.0, seed=7).deadline
                  for r in range(5)]
     assert all(0.5 <= d < 1.0 for d in deadlines) and len(set(deadlines)) == 5
 
@@ -301,21 +286,20 @@ def test_a_follower_draws_its_timeout_once_per_leader_not_per_contact() -> None:
     leader was first heard (a round's announcement reaches every member); a new
     leader, and each member, still get their own random timeout."""
     state, _ = run(follower(leader_id=None), [got(0, Heartbeat(TERM))], now=NOW)
-    first = state.election
-    assert first.leader_id == 0 and first.jitter > 0
-    assert first.deadline == NOW + PARAMS.election_timeout + first.jitter
+    draws, jitter = state.draws, state.jitter
+    assert state.leader_id == 0 and jitter > 0
+    assert state.deadline == NOW + PARAMS.election_timeout + jitter
     for i in range(1, 4):
         now = NOW + i * 0.1
         state, _ = run(state, [got(0, Heartbeat(TERM))], now=now)
-        e = state.election
-        assert (e.draws, e.jitter) == (first.draws, first.jitter)
-        assert e.deadline == now + PARAMS.election_timeout + first.jitter
+        assert (state.draws, state.jitter) == (draws, jitter)
+        assert state.deadline == now + PARAMS.election_timeout + jitter
     state, _ = run(state, [got(2, Heartbeat(TERM + 1))], now=NOW + 1)
-    assert state.election.leader_id == 2 and state.election.draws > first.draws
+    assert state.leader_id == 2 and state.draws > draws
     jitters = set()
     for me in (1, 3, 4):
         s, _ = run(follower(me=me, leader_id=None), [got(0, Heartbeat(TERM))], now=NOW)
-        jitters.add(s.election.jitter)
+        jitters.add(s.jitter)
     assert len(jitters) == 3
 
 
@@ -336,15 +320,16 @@ def test_members_sent_an_announcement_get_no_heartbeat_until_suspects_change() -
     [beat] = sent(first, Heartbeat)
     assert beat.to == (1, 2, 3, 4)
     joins = [QuorumRequested(11, address(0))] + [
-        got(m, JoinRequested(TERM, 11, address(m), Health.OK, 7, 1)) for m in (1, 2, 3)]
+        got(m, JoinRequested(TERM, 11, address(m), 7, 1)) for m in (1, 2, 3)]
     state, actions = run(state, joins, now=NOW + 0.15)
     assert sent(actions, QuorumDeltaAnnounced) + sent(actions, QuorumAnnounced) == []
-    state, actions = run(state, [got(4, JoinRequested(TERM, 11, address(4), Health.OK, 7, 1))],
+    state, actions = run(state, [got(4, JoinRequested(TERM, 11, address(4), 7, 1))],
                          now=NOW + 0.16)
     assert sent(actions, QuorumDeltaAnnounced)  # 4 joined last: the round forms
+    silent = copy.deepcopy(state)
+    silent.heard[4] = NOW - 10  # 4 is now a suspect
     _, quiet = tick(state, NOW + 2 * PARAMS.heartbeat_interval)
     assert sent(quiet, Heartbeat) == []  # every member heard from it 40 ms ago
-    silent = evolve(state, heard={**state.heard, 4: NOW - 10})  # 4 is now a suspect
     _, changed = tick(silent, NOW + 2 * PARAMS.heartbeat_interval)
     [beat] = sent(changed, Heartbeat)
     assert beat.to == (1, 2, 3, 4) and beat.message.suspects == (4,)
@@ -356,5 +341,5 @@ def test_members_sent_an_announcement_get_no_heartbeat_until_suspects_change() -
 
 def test_send_actions_name_only_configured_peers() -> None:
     state = follower(voters=3)
-    _, actions = tick(state, state.election.deadline)
+    _, actions = tick(state, state.deadline)
     assert all(set(a.to) <= {0, 2} for a in actions if isinstance(a, Send))

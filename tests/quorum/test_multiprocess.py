@@ -106,7 +106,7 @@ def test_forged_and_replayed_messages_are_dropped(make_cluster: MakeCluster) -> 
     fake = "tcp://127.0.0.1:9"
     forged = [
         # A vote that would depose everyone, signed with a guessed secret.
-        Codec(new_job_secret(), JOB).seal(0, 1, 1, 1, now, fake, VoteRequested(99, transfer=True)),
+        Codec(new_job_secret(), JOB).seal(0, 1, 1, 1, now, fake, VoteRequested(99)),
         # The right secret bound to another job.
         Codec(cluster.secret, "another-job").seal(0, 1, 1, 1, now, fake, VoteRequested(99)),
     ]

@@ -17,7 +17,7 @@ import pytest
 from ft_launch.config import QuorumConfig
 from ft_launch.errors import UsageError
 from ft_launch.ids import new_job_secret
-from ft_launch.launcher.events import ControllerWitnessChosen
+from ft_launch.launcher.controller.events import ControllerWitnessChosen
 from ft_launch.launcher.quorum import FileDirectory, QuorumAgent
 from ft_launch.launcher.quorum.errors import MajorityLostError, QuorumTimeoutError
 from ft_launch.launcher.quorum.model import WITNESS_BASE

@@ -3,8 +3,9 @@ a majority of the replicas trains when the witnesses endorse it, and never two."
 
 from __future__ import annotations
 
+from ft_launch.launcher.quorum.election import Send
+from ft_launch.launcher.quorum.events import QuorumFormed
 from ft_launch.launcher.quorum.model import EndorseRequested, Quorum, voter_weights, witness_ids
-from ft_launch.launcher.quorum.state import NotifyQuorumFormed, Send
 
 from .sim import Sim
 
@@ -146,7 +147,7 @@ def test_a_witness_refuses_a_quorum_disjoint_from_the_last_it_endorsed() -> None
     sim.run(8.0)
     assert len(sim.delivered[1]) == answers
     later = sim.actions[actions:]
-    formed = [a for r, a in later if r == 1 and isinstance(a, NotifyQuorumFormed)]
+    formed = [a for r, a in later if r == 1 and isinstance(a, QuorumFormed)]
     asked = [a for r, a in later if r == 1 and isinstance(a, Send)
              and isinstance(a.message, EndorseRequested)]
     assert asked and not formed

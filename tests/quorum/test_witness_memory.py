@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ft_launch.launcher.quorum import Quorum
-from ft_launch.launcher.quorum.model import witness_ids
-from ft_launch.launcher.quorum.witness import Memory, memory_of, restore
+from ft_launch.launcher.quorum.model import Memory, Quorum, witness_ids
 from ft_launch.launcher.quorum.witness_service import MemoryFile
 from tests.waiting import wait_until
 
@@ -66,10 +64,10 @@ def test_the_memory_file_is_replaced_atomically(tmp_path: Path) -> None:
 
 def _restart_witness(sim: Sim, remember: bool) -> None:
     """The witness starts again, with its memory or without."""
-    memory = memory_of(sim.states[W0])
+    memory = sim.states[W0].memory()
     sim.start(W0, remember=False)
     if remember:
-        sim.states[W0] = restore(sim.states[W0], memory)
+        sim.states[W0].restore(memory)
 
 
 @pytest.mark.parametrize("remember", [True, False])
@@ -95,9 +93,9 @@ def test_a_restarted_witness_endorses_the_other_side_only_if_it_forgot(
 def test_a_restarted_witness_keeps_its_term_and_vote() -> None:
     sim = Sim(range(2), witnesses=(W0,))
     settle(sim)
-    before = sim.states[W0].election
+    before = sim.states[W0].memory()
     _restart_witness(sim, remember=True)
-    after = sim.states[W0].election
+    after = sim.states[W0]
     assert (after.term, after.voted_for) == (before.term, before.voted_for)
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ft_launch.launcher.quorum import Quorum
-from ft_launch.launcher.quorum.model import witness_ids
+from ft_launch.launcher.quorum.model import Quorum, witness_ids
 from tests.waiting import wait_until
 
 from .cluster import MakeCluster

@@ -20,8 +20,8 @@ import sys
 
 import pytest
 
-from ft_launch.launcher.diagnosis import HangDiagnosisReported
-from ft_launch.launcher.events import ActionTaken, NodeFaultDetected
+from ft_launch.launcher.controller.diagnosis import HangDiagnosisReported
+from ft_launch.launcher.controller.events import ActionTaken, NodeFaultDetected
 from ft_launch.launcher.reporting.runlog import commits
 from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.slurm.test_run import FAST_DETECTION, REPO, whole_cluster_job

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from ft_launch.launcher import events as controller_events
+from ft_launch.launcher.controller import events as controller_events
 from ft_launch.launcher.quorum.events import MajorityLost
 from ft_launch.launcher.reporting.runlog import commits
 from ft_launch.launcher.worker.events import WorkerStarted

@@ -30,15 +30,17 @@ import pytest
 
 from ft_launch.health.drain_request import job_comment, write_request
 from ft_launch.health.replay import ReplayStatus, plan_replay_grid
-from ft_launch.health.replay_job import reference_digest
 from ft_launch.health.replay_runner import SrunGroupLauncher, run_replay
 from ft_launch.slurm.client import SlurmCli
 from tests.cluster import labcluster
+from tests.health.replay_job import reference_digest
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
 NODE_UNHEALTHY = 76
+#: the stand-in replay job (run by path: the nodes share the checkout, as for tests/slurm/jobs)
+REPLAY_JOB = Path(__file__).parents[1] / "health" / "replay_job.py"
 
 
 @dataclass
@@ -178,7 +180,7 @@ def test_dual_phase_replay_finds_the_corrupting_node(slurm_cluster, health):
     job_id = allocate(nodes)
     try:
         slurm = SlurmCli(env=health.env, prefix=labcluster.ctl_prefix())
-        launcher = SrunGroupLauncher(slurm, [sys.executable, "-m", "ft_launch.health.replay_job",
+        launcher = SrunGroupLauncher(slurm, [sys.executable, str(REPLAY_JOB),
                                              "--expect", reference_digest()],
                                      job_id=job_id, timeout=120)
         grid = plan_replay_grid(nodes, pp=1, dp=4, k=2)          # 2 rows x 2 columns

@@ -28,7 +28,7 @@ import time
 import pytest
 
 from ft_launch.events import NodeDrained
-from ft_launch.launcher.events import (
+from ft_launch.launcher.controller.events import (
     NodeFaultDetected,
     ReplicaLaunched,
     SdcReplayOrdered,

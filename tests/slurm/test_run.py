@@ -44,11 +44,11 @@ import pytest
 
 from ft_launch.ckpt.persist import step_dir_name
 from ft_launch.files import atomic_write_text
-from ft_launch.launcher import events as controller_events
-from ft_launch.launcher import versions
-from ft_launch.launcher.events import EventTail
+from ft_launch.launcher.controller import events as controller_events
+from ft_launch.launcher.controller import versions
+from ft_launch.launcher.controller.events import EventTail
+from ft_launch.launcher.controller.standby import ready_file
 from ft_launch.launcher.reporting.runlog import commits, controller_log
-from ft_launch.launcher.standby import ready_file
 from ft_launch.launcher.worker import events as worker_events
 from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.cluster import labcluster

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from ft_launch.ckpt.restore import TierKind
-from ft_launch.launcher import events as controller_events
+from ft_launch.launcher.controller import events as controller_events
 from ft_launch.launcher.reporting.runlog import commits
 from ft_launch.launcher.worker import events as worker_events
 from ft_launch.launcher.worker.audit import check_exactly_once

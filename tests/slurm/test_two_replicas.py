@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from ft_launch.config import Config, load_config
-from ft_launch.launcher import events as controller_events
+from ft_launch.launcher.controller import events as controller_events
 from ft_launch.launcher.quorum.reach import is_loopback
 from ft_launch.launcher.reporting.runlog import commits
 from ft_launch.launcher.worker.audit import check_exactly_once

@@ -9,14 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from ft_launch.events import EventLog, RunStarted
-from ft_launch.launcher.events import (
+from ft_launch.launcher.controller.events import (
     NodeFaultDetected,
     ReplicaExited,
     ReplicaLaunched,
     RunFinished,
     StandbyPromoted,
 )
-from ft_launch.launcher.versions import CodeVersionApplied
+from ft_launch.launcher.controller.versions import CodeVersionApplied
 from ft_launch.launcher.worker.events import StepCommitted, WorkerStarted
 
 T0 = 1_000.0

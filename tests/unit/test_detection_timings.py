@@ -13,8 +13,12 @@ from pathlib import Path
 import pytest
 
 from ft_launch.events import EventLog, NodeDrained
-from ft_launch.launcher.diagnosis import HangDiagnosisReported
-from ft_launch.launcher.events import FailSlowDetected, NodeFaultDetected, StandbyPromoted
+from ft_launch.launcher.controller.diagnosis import HangDiagnosisReported
+from ft_launch.launcher.controller.events import (
+    FailSlowDetected,
+    NodeFaultDetected,
+    StandbyPromoted,
+)
 from ft_launch.launcher.worker.events import StepCommitted, WorkerStarted
 from ft_launch.launcher.worker.faults import FaultInjector, FaultPoint, parse_faults
 from ft_launch.logs import FORMAT

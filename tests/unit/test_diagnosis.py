@@ -1,5 +1,5 @@
-"""Hang diagnosis (``ft_launch.launcher.diagnosis``): the report built from each node's stacks
-(pure), the ranks' pid files, and the injected deadlock as py-spy sees it."""
+"""Hang diagnosis (``ft_launch.launcher.controller.diagnosis``): the report built from each
+node's stacks (pure), the ranks' pid files, and the injected deadlock as py-spy sees it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 
 from ft_launch.health.stacks import Frame, ProcessStack, ThreadStack, capture, process_state
-from ft_launch.launcher.diagnosis import HangRequest, build_report, parse_node_stacks, report_text
+from ft_launch.launcher.controller.diagnosis import (
+    HangRequest,
+    build_report,
+    parse_node_stacks,
+    report_text,
+)
 from ft_launch.launcher.worker.identity import WorkerIdentity
 from ft_launch.launcher.worker.pids import (
     RankProcess,

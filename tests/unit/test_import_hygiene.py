@@ -1,17 +1,20 @@
 """The controller, CLI and Slurm plugins must start fast: they never import torch, nor
 matplotlib (the optional ``[plot]`` extra, imported only when a figure is drawn)."""
 
+import pkgutil
 import subprocess
 import sys
 
 import pytest
 
-CONTROL_PLANE = ["ft_launch.config", "ft_launch.errors", "ft_launch.events",
+from ft_launch.launcher import controller
+
+#: every module of the controller, and the rest of the control plane
+CONTROLLER = [f"{controller.__name__}.{m.name}" for m in pkgutil.iter_modules(controller.__path__)]
+CONTROL_PLANE = [*CONTROLLER, "ft_launch.config", "ft_launch.errors", "ft_launch.events",
                  "ft_launch.slurm.client", "ft_launch.slurm.parse", "ft_launch.launcher.cli",
-                 "ft_launch.launcher.plan", "ft_launch.launcher.supervisor",
-                 "ft_launch.launcher.recovery", "ft_launch.launcher.standby",
+                 "ft_launch.launcher.heartbeat",
                  "ft_launch.launcher.quorum", "ft_launch.launcher.worker.manager",
-                 "ft_launch.launcher.versions",
                  "ft_launch.launcher.reporting.summary", "ft_launch.launcher.reporting.status",
                  "ft_launch.launcher.reporting.live", "ft_launch.launcher.reporting.timeline",
                  "ft_launch.launcher.reporting.plots"]

@@ -9,11 +9,9 @@ import pytest
 from ft_launch.config import SpikePolicy, load_config
 from ft_launch.errors import ConfigError, UsageError
 from ft_launch.health.anomaly import StepLossSpikes
-from ft_launch.launcher import lifecycle as lc
-from ft_launch.launcher import recovery as rc
-from ft_launch.launcher import rollback as rb
-from ft_launch.launcher.events import LossSpiked
-from ft_launch.launcher.run_state import ReplicaState, RunState
+from ft_launch.launcher.controller import lifecycle, recovery, rollback
+from ft_launch.launcher.controller.events import LossSpiked
+from ft_launch.launcher.controller.run_state import ReplicaState, RunState
 from ft_launch.launcher.worker.faults import FaultAction, FaultInjector, FaultPoint, parse_faults
 from ft_launch.launcher.worker.protocol import (
     OtherHistoryError,
@@ -87,7 +85,8 @@ def test_the_spike_keys_are_validated_and_reach_the_controller_policy():
     config = load_config(env={"FTL_RECOVERY_SPIKE_POLICY": "report",
                               "FTL_RECOVERY_SPIKE_WINDOW": "50"},
                          overrides=["recovery.spike_factor=3", "recovery.max_rollbacks=1"])
-    assert lc.Policy.from_config(config).spikes == rb.SpikeRules(SpikePolicy.REPORT, 1, 50)
+    expected = rollback.SpikeRules(SpikePolicy.REPORT, 1, 50)
+    assert lifecycle.Policy.from_config(config).spikes == expected
     assert load_config(env={}).recovery.spike_policy is SpikePolicy.ROLLBACK
     for override, expected in (("recovery.spike_policy=undo", "'rollback', 'report', 'off'"),
                                ("recovery.spike_factor=1", r"at most 1000 \(got 1.0\)"),
@@ -99,35 +98,35 @@ def test_the_spike_keys_are_validated_and_reach_the_controller_policy():
 
 # --------------------------------------------------------------------------- decision
 
-RULES = rb.SpikeRules(SpikePolicy.ROLLBACK, max_rollbacks=2, window=20)
+RULES = rollback.SpikeRules(SpikePolicy.ROLLBACK, max_rollbacks=2, window=20)
 
 
-def running(replicas: int = 3, rules: rb.SpikeRules = RULES) -> lc.ControllerState:
+def running(replicas: int = 3, rules: rollback.SpikeRules = RULES) -> lifecycle.ControllerState:
     run = RunState.initial(("python", "train.py"), "a" * 64,
                            {r: (f"n{r}",) for r in range(replicas)}, 1000.0, standby=("s1",))
-    state = lc.decide(lc.ControllerState.initial(run, lc.Policy(spikes=rules)),
-                      lc.RunStarted(), at(0)).state
+    state = lifecycle.decide(lifecycle.ControllerState.initial(run, lifecycle.Policy(spikes=rules)),
+                             lifecycle.RunStarted(), at(0)).state
     for r in range(replicas):
-        state = lc.decide(state, lc.ProcessStarted(r), at(0)).state
-        state = lc.decide(state, lc.StepsCommitted(r), at(1)).state
+        state = lifecycle.decide(state, lifecycle.ProcessStarted(r), at(0)).state
+        state = lifecycle.decide(state, lifecycle.StepsCommitted(r), at(1)).state
     return state
 
 
-def at(t: float) -> lc.Now:
-    return lc.Now(elapsed=t, wall=1000.0 + t)
+def at(t: float) -> lifecycle.Now:
+    return lifecycle.Now(elapsed=t, wall=1000.0 + t)
 
 
-def spike(step: int, history: int = 0) -> rb.LossSpikeFound:
-    return rb.LossSpikeFound(step, 30.0, 2.0, 3, history)
+def spike(step: int, history: int = 0) -> rollback.LossSpikeFound:
+    return rollback.LossSpikeFound(step, 30.0, 2.0, 3, history)
 
 
 def test_a_spike_restarts_every_replica_in_place_all_cancelled_before_any_launch():
     state = running()
-    decision = lc.decide(state, spike(85), at(2))
+    decision = lifecycle.decide(state, spike(85), at(2))
     (record,) = [a for a in decision.actions if isinstance(a, LossSpiked)]
     assert (record.step, record.action, record.replicas) == (85, "rollback", 3)
     assert "15.0x the median 2" in record.reason and "before step 85" in record.reason
-    orders = [a for a in decision.actions if isinstance(a, rc.Action)]
+    orders = [a for a in decision.actions if isinstance(a, recovery.RecoveryAction)]
     assert [type(a).__name__ for a in orders] == ["CancelReplica"] * 3 + ["RelaunchReplica"] * 3
     assert [(a.replica_id, a.nodes) for a in orders[3:]] == [(r, (f"n{r}",)) for r in range(3)]
     assert all(a.command == ("python", "train.py") and a.reason for a in orders[3:])
@@ -141,31 +140,32 @@ def test_a_spike_restarts_every_replica_in_place_all_cancelled_before_any_launch
 
 
 def test_a_spike_recurring_after_its_rollback_and_rollbacks_past_the_limit_are_reported():
-    state = lc.decide(running(), spike(85), at(2)).state
+    state = lifecycle.decide(running(), spike(85), at(2)).state
     # lines of the history rolled back, read late: nothing at all
-    stale = lc.decide(state, spike(90, history=0), at(3))
+    stale = lifecycle.decide(state, spike(90, history=0), at(3))
     assert stale.actions == [] and stale.state.rolled_back == (85,)
     for r in range(3):
-        state = lc.decide(state, lc.ProcessStarted(r), at(4)).state
-        state = lc.decide(state, lc.StepsCommitted(r), at(5)).state
-    again = lc.decide(state, spike(85 + 20, history=1), at(6))
+        state = lifecycle.decide(state, lifecycle.ProcessStarted(r), at(4)).state
+        state = lifecycle.decide(state, lifecycle.StepsCommitted(r), at(5)).state
+    again = lifecycle.decide(state, spike(85 + 20, history=1), at(6))
     (record,) = again.actions
     assert isinstance(record, LossSpiked) and record.action == "report"
     assert "came back within 20 steps of the spike at step 85" in record.reason
-    second = lc.decide(state, spike(200, history=1), at(6))
+    second = lifecycle.decide(state, spike(200, history=1), at(6))
     assert second.state.rolled_back == (85, 200)
-    third = lc.decide(second.state, spike(400, history=2), at(7))
+    third = lifecycle.decide(second.state, spike(400, history=2), at(7))
     assert [a.action for a in third.actions] == ["report"]
     assert "2 rollback(s) already" in third.actions[0].reason
 
 
 def test_the_report_policy_and_a_finished_run_roll_nothing_back():
-    reported = lc.decide(running(rules=rb.SpikeRules(SpikePolicy.REPORT)), spike(85), at(2))
+    reported = lifecycle.decide(running(rules=rollback.SpikeRules(SpikePolicy.REPORT)), spike(85),
+                                at(2))
     assert [type(a) for a in reported.actions] == [LossSpiked]
     assert reported.actions[0].action == "report" and reported.state.rolled_back == ()
     state = running()
-    state = lc.decide(state, lc.StepExited(0, 0), at(2)).state     # replica 0 finished
-    finished = lc.decide(state, spike(85), at(3))
+    state = lifecycle.decide(state, lifecycle.StepExited(0, 0), at(2)).state   # replica 0 finished
+    finished = lifecycle.decide(state, spike(85), at(3))
     assert [a.action for a in finished.actions] == ["report"]
     assert "training finished" in finished.actions[0].reason
 

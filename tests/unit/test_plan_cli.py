@@ -6,7 +6,7 @@ import pytest
 
 from ft_launch.config import BatchHostRole, JobConfig
 from ft_launch.errors import UsageError
-from ft_launch.launcher.plan import plan_allocation
+from ft_launch.launcher.controller.plan import plan_allocation
 
 NODES = tuple(f"n{i}" for i in range(1, 9))
 

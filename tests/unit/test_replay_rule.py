@@ -1,6 +1,6 @@
-"""Dual-phase replay in the controller's decision (``ft_launch.launcher.replay_rule`` through
-``lifecycle.decide``): when a replica of several nodes is replayed, what each
-verdict evicts, and the fallbacks."""
+"""Dual-phase replay in the controller's decision
+(``ft_launch.launcher.controller.replay_rule`` through ``lifecycle.decide``): when a
+replica of several nodes is replayed, what each verdict evicts, and the fallbacks."""
 
 from __future__ import annotations
 
@@ -9,51 +9,50 @@ from dataclasses import replace
 import pytest
 
 from ft_launch.health.drain import drain_reason
-from ft_launch.launcher import lifecycle as lc
-from ft_launch.launcher import recovery as rc
-from ft_launch.launcher import replay_rule as rr
-from ft_launch.launcher.events import NodeFaultDetected, SdcReplayOrdered
-from ft_launch.launcher.run_state import ReplicaState, RunState
+from ft_launch.launcher.controller import lifecycle, recovery, replay_rule
+from ft_launch.launcher.controller.events import NodeFaultDetected, SdcReplayOrdered
+from ft_launch.launcher.controller.run_state import ReplicaState, RunState
 
 LIMIT = 3
-POLICY = lc.Policy(lost_timeout=10.0, start_timeout=60.0, nonfinite_limit=LIMIT,
-                   replay_timeout=50.0)
+POLICY = lifecycle.Policy(lost_timeout=10.0, start_timeout=60.0, nonfinite_limit=LIMIT,
+                          replay_timeout=50.0)
 
 
-def at(t: float) -> lc.Now:
-    return lc.Now(elapsed=t, wall=1000.0 + t)
+def at(t: float) -> lifecycle.Now:
+    return lifecycle.Now(elapsed=t, wall=1000.0 + t)
 
 
 def started(replicas: int = 3, standby: tuple[str, ...] = ("s1", "s2"),
-            policy: lc.Policy = POLICY) -> lc.ControllerState:
+            policy: lifecycle.Policy = POLICY) -> lifecycle.ControllerState:
     """Replicas of two nodes each (``nXa``, ``nXb``), all launched, started, training."""
     run = RunState.initial(("python", "train.py"), "a" * 64,
                            {r: (f"n{r}a", f"n{r}b") for r in range(replicas)}, 1000.0,
                            standby=standby, nodes_per_replica=2)
-    state = lc.decide(lc.ControllerState.initial(run, policy), lc.RunStarted(), at(0)).state
+    state = lifecycle.decide(lifecycle.ControllerState.initial(run, policy),
+                             lifecycle.RunStarted(), at(0)).state
     for r in range(replicas):
-        state = lc.decide(state, lc.ProcessStarted(r), at(0)).state
-        state = lc.decide(state, lc.StepsCommitted(r), at(0.5)).state
+        state = lifecycle.decide(state, lifecycle.ProcessStarted(r), at(0)).state
+        state = lifecycle.decide(state, lifecycle.StepsCommitted(r), at(0.5)).state
     return state
 
 
-def nonfinite(state: lc.ControllerState, steps: int, t: float = 1.0,
-              replica: int = 1) -> lc.Decision:
+def nonfinite(state: lifecycle.ControllerState, steps: int, t: float = 1.0,
+              replica: int = 1) -> lifecycle.Decision:
     """``steps`` discards of ``replica`` naming both its nodes (they mix gradients)."""
     nodes = state.run.replica(replica).nodes
     for _ in range(steps):
-        decision = lc.decide(state, lc.GradientsNonFinite(replica, nodes), at(t))
+        decision = lifecycle.decide(state, lifecycle.GradientsNonFinite(replica, nodes), at(t))
         state = decision.state
     return decision
 
 
-def kinds(decision: lc.Decision, kind: type) -> list:
+def kinds(decision: lifecycle.Decision, kind: type) -> list:
     return [a for a in decision.actions if isinstance(a, kind)]
 
 
-def replaying(steps: int = LIMIT) -> tuple[lc.ControllerState, rr.RunReplay]:
+def replaying(steps: int = LIMIT) -> tuple[lifecycle.ControllerState, replay_rule.RunReplay]:
     decision = nonfinite(started(), steps)
-    (order,) = kinds(decision, rr.RunReplay)
+    (order,) = kinds(decision, replay_rule.RunReplay)
     return decision.state, order
 
 
@@ -62,10 +61,10 @@ def test_a_multi_node_replica_is_cancelled_and_replayed_at_the_limit_not_evicted
     early = nonfinite(state, LIMIT - 1)
     assert not early.actions and "2 step(s)" in early.reason
     decision = nonfinite(early.state, 1)
-    (cancel,) = kinds(decision, rc.CancelReplica)
-    (order,) = kinds(decision, rr.RunReplay)
+    (cancel,) = kinds(decision, recovery.CancelReplica)
+    (order,) = kinds(decision, replay_rule.RunReplay)
     (record,) = kinds(decision, SdcReplayOrdered)
-    assert cancel.replica_id == 1 and not kinds(decision, rc.EvictNode)
+    assert cancel.replica_id == 1 and not kinds(decision, recovery.EvictNode)
     assert decision.actions.index(cancel) < decision.actions.index(order)
     # the standbys are the references; the other training replicas the state's source
     assert (order.suspects, order.references, order.sources) == (
@@ -78,20 +77,20 @@ def test_a_multi_node_replica_is_cancelled_and_replayed_at_the_limit_not_evicted
 
 def test_references_come_from_training_replicas_when_standbys_are_short():
     decision = nonfinite(started(standby=("s1",)), LIMIT)
-    (order,) = kinds(decision, rr.RunReplay)
+    (order,) = kinds(decision, replay_rule.RunReplay)
     assert order.references == ("s1", "n0a")
 
 
 def test_the_node_found_alone_is_evicted_and_the_replica_relaunched_with_a_standby():
     state, _ = replaying()
-    located = rr.ReplayLocated(1, "found", ("n1b",), (1,), (0,), "replay found")
-    decision = lc.decide(state, located, at(20))
-    (evict,) = kinds(decision, rc.EvictNode)
+    located = replay_rule.ReplayLocated(1, "found", ("n1b",), (1,), (0,), "replay found")
+    decision = lifecycle.decide(state, located, at(20))
+    (evict,) = kinds(decision, recovery.EvictNode)
     assert evict.node == "n1b"
     assert drain_reason(evict.reason) == ("ft: sdc: n1b computes NaN/Inf gradients "
                                           "(dual-phase replay: row 1 and column 0 failed)")
     assert [f.node for f in kinds(decision, NodeFaultDetected)] == ["n1b"]
-    (relaunch,) = kinds(decision, rc.RelaunchReplica)
+    (relaunch,) = kinds(decision, recovery.RelaunchReplica)
     assert relaunch.nodes == ("n1a", "s1") and relaunch.command == ("python", "train.py")
     assert decision.state.watch[1].live and not decision.state.replays.running
     assert decision.state.run.replica(1).failures == 1
@@ -104,23 +103,24 @@ def test_the_node_found_alone_is_evicted_and_the_replica_relaunched_with_a_stand
 ])
 def test_no_single_verdict_over_evicts_the_replica_once(status, suspects, evicted):
     state, _ = replaying()
-    decision = lc.decide(state, rr.ReplayLocated(1, status, suspects, summary="why"),
-                         at(20))
-    assert tuple(e.node for e in kinds(decision, rc.EvictNode)) == evicted
+    decision = lifecycle.decide(
+        state, replay_rule.ReplayLocated(1, status, suspects, summary="why"), at(20))
+    assert tuple(e.node for e in kinds(decision, recovery.EvictNode)) == evicted
     assert f"dual-phase replay {status}" in decision.reason
-    assert len(kinds(decision, rc.RelaunchReplica) + kinds(decision, rc.PromoteStandby)) <= 1
+    assert len(kinds(decision, recovery.RelaunchReplica)
+               + kinds(decision, recovery.PromoteStandby)) <= 1
     assert decision.state.run.replica(1).failures == 1       # one failure, not one per node
 
 
 def test_a_replay_never_answered_fails_after_twice_its_bound_and_a_late_answer_is_moot():
     state, _ = replaying()
-    quiet = lc.decide(state, lc.Tick(), at(1 + 2 * POLICY.replay_timeout - 1))
-    assert not kinds(quiet, rc.EvictNode)
-    overdue = lc.decide(quiet.state, lc.Tick(), at(2 + 2 * POLICY.replay_timeout))
-    assert sorted(e.node for e in kinds(overdue, rc.EvictNode)) == ["n1a", "n1b"]
+    quiet = lifecycle.decide(state, lifecycle.Tick(), at(1 + 2 * POLICY.replay_timeout - 1))
+    assert not kinds(quiet, recovery.EvictNode)
+    overdue = lifecycle.decide(quiet.state, lifecycle.Tick(), at(2 + 2 * POLICY.replay_timeout))
+    assert sorted(e.node for e in kinds(overdue, recovery.EvictNode)) == ["n1a", "n1b"]
     assert "no answer within" in overdue.reason
-    late = lc.decide(overdue.state, rr.ReplayLocated(1, "found", ("n1b",), (1,), (0,)),
-                     at(200))
+    late = lifecycle.decide(
+        overdue.state, replay_rule.ReplayLocated(1, "found", ("n1b",), (1,), (0,)), at(200))
     assert not late.actions and "given up on" in late.reason
 
 
@@ -129,8 +129,8 @@ def test_lines_a_cancelled_process_wrote_count_for_nothing():
     stale = nonfinite(state, LIMIT)
     assert not stale.actions and stale.state.replays == state.replays
     # relaunched for another fault, its new process not started yet: the old one's lines
-    relaunched = lc.decide(started(), lc.NodesReported((("n1a", "Slurm reports DOWN"),)),
-                           at(1)).state
+    relaunched = lifecycle.decide(
+        started(), lifecycle.NodesReported((("n1a", "Slurm reports DOWN"),)), at(1)).state
     assert relaunched.watch[1].awaiting_start
     old_lines = nonfinite(relaunched, LIMIT, t=2)
     assert not old_lines.actions and not old_lines.state.replays.nonfinite
@@ -138,22 +138,23 @@ def test_lines_a_cancelled_process_wrote_count_for_nothing():
 
 def test_without_a_healthy_replica_or_reference_nodes_every_node_goes_at_once():
     alone = nonfinite(started(replicas=1, standby=("s1", "s2")), LIMIT, replica=0)
-    assert sorted(e.node for e in kinds(alone, rc.EvictNode)) == ["n0a", "n0b"]
-    assert not kinds(alone, rr.RunReplay) and "no training replica" in alone.reason
+    assert sorted(e.node for e in kinds(alone, recovery.EvictNode)) == ["n0a", "n0b"]
+    assert not kinds(alone, replay_rule.RunReplay) and "no training replica" in alone.reason
     reservation = replace(POLICY, replay_on_standby=False)   # standbys in their own jobs
     short = nonfinite(started(replicas=2, standby=("s1",), policy=reservation), LIMIT)
-    (order,) = kinds(short, rr.RunReplay)
+    (order,) = kinds(short, replay_rule.RunReplay)
     assert order.references == ("n0a", "n0b")
 
 
 def test_off_or_on_one_node_replicas_the_per_node_rule_still_holds():
     off = nonfinite(started(policy=replace(POLICY, sdc_replay=False)), LIMIT)
-    assert sorted(e.node for e in kinds(off, rc.EvictNode)) == ["n1a", "n1b"]
-    assert not kinds(off, rr.RunReplay)
+    assert sorted(e.node for e in kinds(off, recovery.EvictNode)) == ["n1a", "n1b"]
+    assert not kinds(off, replay_rule.RunReplay)
     run = RunState.initial(("python", "train.py"), "a" * 64, {r: (f"n{r}",) for r in range(3)},
                            1000.0, standby=("s1",))
-    state = lc.decide(lc.ControllerState.initial(run, POLICY), lc.RunStarted(), at(0)).state
+    state = lifecycle.decide(lifecycle.ControllerState.initial(run, POLICY),
+                             lifecycle.RunStarted(), at(0)).state
     for r in range(3):
-        state = lc.decide(state, lc.ProcessStarted(r), at(0)).state
+        state = lifecycle.decide(state, lifecycle.ProcessStarted(r), at(0)).state
     single = nonfinite(state, LIMIT)
-    assert [e.node for e in kinds(single, rc.EvictNode)] == ["n1"]
+    assert [e.node for e in kinds(single, recovery.EvictNode)] == ["n1"]

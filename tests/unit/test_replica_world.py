@@ -10,7 +10,7 @@ import pytest
 
 from ft_launch.config import JobConfig
 from ft_launch.errors import RecoverableError, UsageError
-from ft_launch.launcher.plan import plan_allocation, replica_step_spec
+from ft_launch.launcher.controller.plan import plan_allocation, replica_step_spec
 from ft_launch.launcher.worker.exchange import StepWork
 from ft_launch.launcher.worker.identity import (
     MASTER_PORT_BASE,
@@ -76,7 +76,7 @@ def test_exchange_raises_other_errors_in_the_waiting_thread() -> None:
 
 
 def test_an_allocation_short_of_cpus_for_the_ranks_is_refused_with_the_fix() -> None:
-    from ft_launch.launcher.plan import check_cpus
+    from ft_launch.launcher.controller.plan import check_cpus
 
     check_cpus((2, 2), ("n1", "n2"), 2, "9")
     check_cpus((), ("n1", "n2"), 2, "9")            # counts unknown (--jobid): Slurm decides

@@ -1,5 +1,5 @@
-"""The controller's replay shell (``ft_launch.launcher.sdc_replay``) against real state servers
-and a stand-in ``srun``: the state captured from a training replica's ranks, one
+"""The controller's replay shell (``ft_launch.launcher.controller.sdc_replay``) against real
+state servers and a stand-in ``srun``: the state captured from a training replica's ranks, one
 Slurm step per group with the replay's environment, the groups judged against the
 reference column, the report, the outcome, and what a failed capture gives."""
 
@@ -18,8 +18,8 @@ import pytest
 from ft_launch.ckpt.serve import StateServer
 from ft_launch.ckpt.snapshot import ArrayState, DualBufferSnapshotter
 from ft_launch.ids import new_job_secret
-from ft_launch.launcher.replay_rule import RunReplay
-from ft_launch.launcher.sdc_replay import ReplaySetup, SdcReplays
+from ft_launch.launcher.controller.replay_rule import RunReplay
+from ft_launch.launcher.controller.sdc_replay import ReplaySetup, SdcReplays
 from ft_launch.launcher.worker.replay_files import load_captured, publish_state_servers
 from ft_launch.slurm.client import SlurmCli
 from tests.waiting import patience, wait_until

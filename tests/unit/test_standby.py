@@ -1,11 +1,14 @@
-"""The warm standby agent's warm-up: what it imports before a promotion."""
+"""The warm standby agent: what it imports before a promotion (its warm-up), and the
+health gate's check it runs again when promoted (simulated GPUs)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
-from ft_launch.launcher.standby import script_imports, warm_up
+from ft_launch.launcher.controller.standby import recheck, script_imports, warm_up
 
 
 def test_script_imports_are_the_absolute_top_level_ones(tmp_path: Path) -> None:
@@ -48,3 +51,30 @@ def test_a_command_that_is_not_a_python_script_is_not_warmed(tmp_path: Path, mon
     before = list(sys.path)
     warm_up(["bash", str(tmp_path / "train.sh")])
     assert sys.path == before
+
+
+def simulated_node(tmp_path: Path, *faults: dict) -> dict[str, str]:
+    """The environment of a standby's step on node n3 with simulated GPUs (and ``faults``)."""
+    fault_dir = tmp_path / "faults"
+    fault_dir.mkdir()
+    (fault_dir / "n3.json").write_text(json.dumps(list(faults)))
+    config = tmp_path / "health.toml"
+    config.write_text(f'[health]\ngpus_per_node = 8\nbackend = "simulated"\n'
+                      f'sim_fault_dir = "{fault_dir}"\n')
+    return {"PATH": os.environ["PATH"], "FTL_CONFIG": str(config), "SLURMD_NODENAME": "n3",
+            "SLURM_JOB_ID": "45"}
+
+
+def test_the_check_at_promotion_passes_a_healthy_node(tmp_path: Path) -> None:
+    assert recheck(simulated_node(tmp_path)) is None
+
+
+def test_the_check_at_promotion_names_what_went_bad_since_the_gate(tmp_path: Path) -> None:
+    env = simulated_node(tmp_path, {"gpu": 6, "nvlink_down": [1]})
+    assert recheck(env) == "health gate failed at promotion: gpu6 nvlink1 down"
+
+
+def test_the_check_at_promotion_says_when_it_cannot_run(tmp_path: Path) -> None:
+    reason = recheck({**simulated_node(tmp_path), "SLURMD_NODENAME": "../x"})
+    assert reason is not None and reason.startswith("health gate could not run: ")
+    assert "not a Slurm node name" in reason

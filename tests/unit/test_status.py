@@ -12,7 +12,7 @@ from rich.console import Console
 
 from ft_launch.events import EventLog
 from ft_launch.launcher import cli
-from ft_launch.launcher.events import ActionTaken, NodeFaultDetected, RunFinished
+from ft_launch.launcher.controller.events import ActionTaken, NodeFaultDetected, RunFinished
 from ft_launch.launcher.reporting.live import StatusDisplay, status_view
 from ft_launch.launcher.reporting.status import (
     StatusReader,
@@ -200,7 +200,7 @@ def test_a_hang_diagnosis_stays_listed_with_its_report(live_run: Path,
                                                        ) -> None:
     """``ft-launch status`` shows the verdict and where the report is, even once newer
     events have pushed it out of the recent ones."""
-    from ft_launch.launcher.diagnosis import HangDiagnosisReported
+    from ft_launch.launcher.controller.diagnosis import HangDiagnosisReported
     report = live_run / "diagnosis" / "hang-2-1" / "report.txt"
     with EventLog(live_run / "controller.jsonl") as log:
         log.emit(HangDiagnosisReported(
@@ -221,7 +221,7 @@ def test_a_hang_diagnosis_stays_listed_with_its_report(live_run: Path,
 
 def test_a_replay_verdict_stays_listed_with_its_report(live_run: Path) -> None:
     """A dual-phase replay's verdict is listed with its report, as a diagnosis is."""
-    from ft_launch.launcher.events import SdcReplayOrdered, SdcReplayReported
+    from ft_launch.launcher.controller.events import SdcReplayOrdered, SdcReplayReported
     report = live_run / "replay" / "replica-1-1" / "report.txt"
     with EventLog(live_run / "controller.jsonl") as log:
         log.emit(SdcReplayOrdered(replica_id=1, suspects=["n4", "n5"],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ft_launch.config import load_config
 from ft_launch.launcher.cli import build_parser
-from ft_launch.launcher.submit import controller_argv, nodes_needed, salloc_extra
+from ft_launch.launcher.controller.submit import controller_argv, nodes_needed, salloc_extra
 
 
 def parse(*argv: str):

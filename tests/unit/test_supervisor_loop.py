@@ -28,10 +28,9 @@ from ft_launch.config import (
 )
 from ft_launch.errors import ExitCode
 from ft_launch.events import EventLog, NodeDrained, read_events
-from ft_launch.launcher import lifecycle as lc
-from ft_launch.launcher import versions as cv
-from ft_launch.launcher.diagnosis import HangDiagnosisReported
-from ft_launch.launcher.events import (
+from ft_launch.launcher.controller import lifecycle, versions
+from ft_launch.launcher.controller.diagnosis import HangDiagnosisReported
+from ft_launch.launcher.controller.events import (
     ActionTaken,
     FailSlowDetected,
     LossSpiked,
@@ -39,12 +38,12 @@ from ft_launch.launcher.events import (
     NodeFaultDetected,
     RunFinished,
 )
-from ft_launch.launcher.plan import LaunchPlan, ReplicaPlacement
-from ft_launch.launcher.pool import GROW_RETRY_FIRST_S
+from ft_launch.launcher.controller.plan import LaunchPlan, ReplicaPlacement
+from ft_launch.launcher.controller.pool import GROW_RETRY_FIRST_S
+from ft_launch.launcher.controller.run_state import ReplicaState
+from ft_launch.launcher.controller.standby import activation_file
+from ft_launch.launcher.controller.supervisor import NODE_CHECK_INTERVAL, Supervisor
 from ft_launch.launcher.quorum.events import MembersLivenessChanged
-from ft_launch.launcher.run_state import ReplicaState
-from ft_launch.launcher.standby import activation_file
-from ft_launch.launcher.supervisor import NODE_CHECK_INTERVAL, Supervisor
 from ft_launch.launcher.worker.events import StepCommitted, StepDiscarded, WorkerStarted
 from ft_launch.launcher.worker.identity import ENV_SECRET, WorkerIdentity
 from ft_launch.launcher.worker.pids import write_rank_pid
@@ -63,8 +62,8 @@ class Clock:
     def __init__(self) -> None:
         self.elapsed = 0.0
 
-    def __call__(self) -> lc.Now:
-        return lc.Now(elapsed=self.elapsed, wall=1_700_000_000.0 + self.elapsed)
+    def __call__(self) -> lifecycle.Now:
+        return lifecycle.Now(elapsed=self.elapsed, wall=1_700_000_000.0 + self.elapsed)
 
     def advance(self, seconds: float) -> None:
         self.elapsed += seconds
@@ -400,8 +399,8 @@ def test_a_broken_update_is_rolled_back_without_evicting_a_node(loop):
     run.started(0, 1)
     run.commit(0, 1)
     run.poll()
-    cv.write_update_request(run.run_dir, ["python", "train_v2.py"], urgent=True,
-                            window_s=None, note="v2", now=0.0)
+    versions.write_update_request(run.run_dir, ["python", "train_v2.py"], urgent=True,
+                                  window_s=None, note="v2", now=0.0)
     run.poll()
     first = run.slurm.step_named("replica-0")
     assert first.spec.command[-1] == "train_v2.py"          # restarted onto v2 at once

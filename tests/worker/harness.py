@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 from ft_launch.files import atomic_write_text
 from ft_launch.launcher.worker.audit import check_exactly_once
-from ft_launch.launcher.worker.local import LocalJob
+from ft_launch.launcher.worker.local import LocalJob, free_port
 from tests.waiting import patience, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,3 +101,15 @@ def logs_of_a_failed_run(job: LocalJob, timeout: float = 180) -> list[str]:
         job.stop_everything()
     assert all(code != 0 for code in codes.values()), codes
     return [job.log(replica) for replica in range(job.replicas)]
+
+
+def run_torch_world(command: list[str], processes: int, timeout: float = 180) -> None:
+    """``command`` as one native torch world of ``processes`` processes (what torchrun
+    sets: RANK, WORLD_SIZE, MASTER_ADDR/PORT), each required to exit 0."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        command, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(processes),
+                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                      "OMP_NUM_THREADS": "1"})
+        for rank in range(processes)]
+    assert [p.wait(timeout=patience(timeout)) for p in procs] == [0] * processes

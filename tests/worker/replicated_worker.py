@@ -64,14 +64,12 @@ def main() -> int:
                              "the last accumulated under DDP's no_sync()")
     parser.add_argument("--bucket-cap-mb", default="25",
                         help="DDP's bucket_cap_mb, one per replica (comma separated) or one")
+    parser.add_argument("--seed-apart", action="store_true",
+                        help="each process seeds its model with its own seed (seed + RANK, "
+                             "natively; seed + replica under ft-launch)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    corpus = Corpus(context=SIZE["context"], n_sentences=2000)
-    model = Gpt(GptConfig(vocab_size=corpus.vocab_size, **SIZE))
-    scaler = (torch.amp.GradScaler("cpu", init_scale=args.init_scale) if args.init_scale
-              else None)
     if args.mode == "native":
         replica, replicas = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     else:
@@ -79,6 +77,12 @@ def main() -> int:
 
         me = WorkerIdentity.from_env()
         replica, replicas = me.replica_id, me.num_replicas
+    torch.manual_seed(0)
+    corpus = Corpus(context=SIZE["context"], n_sentences=2000)
+    torch.manual_seed(1000 + replica if args.seed_apart else 0)
+    model = Gpt(GptConfig(vocab_size=corpus.vocab_size, **SIZE))
+    scaler = (torch.amp.GradScaler("cpu", init_scale=args.init_scale) if args.init_scale
+              else None)
     caps = [float(c) for c in args.bucket_cap_mb.split(",")]
     if args.parallel == "ddp":
         dist.init_process_group("gloo")

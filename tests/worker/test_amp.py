@@ -14,15 +14,14 @@ Both scale the loss with ``torch.amp.GradScaler("cpu")`` and step through it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ft_launch.launcher.worker.local import LocalJob, free_port
+from ft_launch.launcher.worker.local import LocalJob
 from tests.waiting import patience
+from tests.worker.harness import run_torch_world
 
 WORKER = Path(__file__).with_name("replicated_worker.py")
 REPLICAS, STEPS = 2, 8
@@ -44,13 +43,7 @@ def scaler_options(init_scale: float, autocast: bool) -> list[str]:
 
 def run_native(out: Path, options: list[str]) -> None:
     """The worker as one torch world of ``REPLICAS`` processes, one DDP model."""
-    port = free_port()
-    procs = [subprocess.Popen(
-        worker_args("native", out, "ddp", options),
-        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(REPLICAS),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-        for rank in range(REPLICAS)]
-    assert [p.wait(timeout=patience(180)) for p in procs] == [0] * REPLICAS
+    run_torch_world(worker_args("native", out, "ddp", options), REPLICAS)
 
 
 def run_ft(run_dir: Path, out: Path, parallel: str, options: list[str]) -> LocalJob:

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ft_launch.launcher import events as controller_events
+from ft_launch.launcher.controller import events as controller_events
 from ft_launch.launcher.reporting.runlog import commits, controller_log
 from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.waiting import patience
 from tests.worker.harness import REPO, TEST_CONFIG
 
 TOKENS = REPO / "etc" / "examples" / "tokens"
+HF_LLAMA = REPO / "etc" / "examples" / "hf_llama"   # its runs: test_hf_example.py
 #: Clipping below the gradient norms this run sees, so every step clips.
 CLIP = "0.2"
 ARGS = ("--steps", "24", "--eval-every", "4", "--clip", CLIP, "--warmup", "6",
@@ -33,8 +34,9 @@ def example_diff(folder: Path) -> str:
     return "".join(difflib.unified_diff(native, adopted, "train_native.py", "train.py", n=1))
 
 
-def test_the_readme_shows_the_token_example_as_a_short_diff():
-    diff = example_diff(TOKENS)
+@pytest.mark.parametrize("folder", [TOKENS, HF_LLAMA], ids=lambda folder: folder.name)
+def test_the_readme_shows_each_example_as_a_short_diff(folder):
+    diff = example_diff(folder)
     changed = [line for line in diff.splitlines()
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     assert 0 < len(changed) <= 20, diff

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from ft_launch.files import atomic_write_text
-from ft_launch.launcher import events as controller_events
 from ft_launch.launcher.cli import main
+from ft_launch.launcher.controller import events as controller_events
 from ft_launch.launcher.reporting.runlog import commits, controller_log
 from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.waiting import patience, wait_until

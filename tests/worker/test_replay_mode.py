@@ -14,7 +14,7 @@ import pytest
 
 from ft_launch.health.replay import ReplayStatus, judge, plan_replay_grid
 from ft_launch.health.replay_runner import LocalGroupLauncher, run_phases
-from ft_launch.launcher.sdc_replay import capture_state, group_result
+from ft_launch.launcher.controller.sdc_replay import capture_state, group_result
 from ft_launch.launcher.worker.local import free_port
 from ft_launch.launcher.worker.replay_files import ReplaySpec, read_result, write_spec
 from tests.waiting import patience, wait_until

@@ -1,6 +1,6 @@
 """A rollback on real replica processes (loopback, a "node" each): what ``ft-launch
-run`` does on a loss spike (``ft_launch.launcher.rollback``), the controller's part played by
-the test.
+run`` does on a loss spike (``ft_launch.launcher.controller.rollback``), the controller's
+part played by the test.
 
 Every rank spikes its loss (and gradients) at ``SPIKE``, and stops itself after
 ``STOP_AT``. Replica 0 is restarted first with the rollback in its environment,

@@ -2,9 +2,10 @@
 
 The corpus is generated from a fixed seed (no download): sentences from a small
 grammar, so a character-level model has structure to learn. Sample ``i`` is a
-fixed window of the corpus; replica ``r`` of ``R`` consumes samples
-``r, r + R, r + 2R, ...`` in order, so its position alone says what it has
-trained on. No sample is shared by two replicas.
+fixed window of the corpus; ``Corpus`` is a map-style dataset of them (the example
+trains it through ``FtDataLoader``). ``replica_sample_ids`` is that loader's stream
+cut by hand, for the tests' and benchmarks' workers: replica ``r`` of ``R`` (of one
+rank) consumes samples ``r, r + R, r + 2R, ...`` in order.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ class Corpus:
     def vocab_size(self) -> int:
         return len(self.alphabet)
 
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.sample(sample_id)
+
     def sample(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
         k = sample_id % self.num_samples
         window = self.tokens[k * self.context:(k + 1) * self.context + 1]
@@ -55,6 +62,10 @@ class Corpus:
 
 
 def replica_sample_ids(replica_id: int, num_replicas: int, position: int,
-                       batch_size: int) -> list[int]:
-    """The next ``batch_size`` sample ids of a replica's stream from ``position``."""
-    return [(position + j) * num_replicas + replica_id for j in range(batch_size)]
+                       batch_size: int, rank: int = 0, ranks: int = 1) -> list[int]:
+    """The sample ids of rank ``rank`` (of ``ranks``) in the next ``batch_size`` samples
+    of a replica's stream from ``position``: what ``FtDataLoader`` without shuffling
+    gives it (stream position ``q`` is sample ``(q // K) * R * K + r * K + q % K``,
+    and rank ``k`` takes the positions with ``q % K == k``)."""
+    return [(q // ranks) * num_replicas * ranks + replica_id * ranks + q % ranks
+            for q in range(position, position + batch_size) if q % ranks == rank]

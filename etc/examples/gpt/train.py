@@ -33,10 +33,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from corpus import Corpus, replica_sample_ids
+from corpus import Corpus
 from model import Gpt, GptConfig
 
-from ft_launch import FtOptimizer, ResidentAdamW, StepKind, configure_logging, ft_manager
+from ft_launch import (
+    FtDataLoader,
+    FtOptimizer,
+    ResidentAdamW,
+    StepKind,
+    configure_logging,
+    ft_manager,
+)
 
 SIZES = {"tiny": {"d_model": 32, "n_layers": 1, "n_heads": 2, "context": 32},
          "small": {"d_model": 64, "n_layers": 2, "n_heads": 4, "context": 64},
@@ -134,7 +141,8 @@ def parallelize(model: Gpt, how: str, param_dtype: str, reduce_dtype: str,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="a replica's samples per step (its ranks' together; default 16)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--seed", type=int, default=0)
@@ -185,6 +193,10 @@ def main() -> int:
     manager = ft_manager(model, optimizer, batch_size=args.batch_size)
     optimizer = FtOptimizer(manager)
     me = manager.identity
+    # Every replica's batch of a step together: rank k of replica r reads its share,
+    # each sample exactly once, rewound after a dropped step or a catch-up.
+    batches = iter(FtDataLoader(corpus, manager, global_batch_size=args.batch_size
+                                * me.num_replicas))
     loss_value = float("nan")
     started = time.monotonic()
     try:
@@ -193,9 +205,7 @@ def main() -> int:
             optimizer.zero_grad()       # the forward below starts the step (quorum beside it)
             # This rank's part of the replica's next batch (a catching-up replica's
             # gradients count for nothing: it learns only when the quorum answers).
-            ids = replica_sample_ids(me.replica_id, me.num_replicas, manager.data_position,
-                                     args.batch_size)[me.rank::me.ranks]
-            tokens, targets = (torch.from_numpy(a).to(device) for a in corpus.batch(ids))
+            tokens, targets = (t.to(device) for t in next(batches))
             loss = model(tokens, targets)
             loss.backward()
             step_loss = loss.item()

@@ -49,10 +49,8 @@ from ft_launch.health.replay import GroupResult, Judgement, ReplayGrid, judge, p
 from ft_launch.health.replay_runner import GroupOutcome, SrunGroupLauncher, run_phases
 from ft_launch.slurm.client import SlurmBackend
 
-from .events import SdcReplayReported
-from .replay_rule import FAILED, ReplayLocated, RunReplay
-from .worker.identity import replica_world_env
-from .worker.replay_files import (
+from ..worker.identity import replica_world_env
+from ..worker.replay_files import (
     ReplayFileError,
     ReplaySpec,
     read_result,
@@ -62,6 +60,8 @@ from .worker.replay_files import (
     spec_file,
     write_spec,
 )
+from .events import SdcReplayReported
+from .replay_rule import FAILED, ReplayLocated, RunReplay
 
 log = logging.getLogger(__name__)
 

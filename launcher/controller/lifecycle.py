@@ -24,10 +24,7 @@ from ft_launch.config import SlowPolicy
 from ft_launch.errors import ExitCode
 from ft_launch.events import Event as Record
 
-from . import recovery as rc
-from . import replay_rule as rr
-from . import rollback as rb
-from . import versions as cv
+from . import recovery, replay_rule, rollback, versions
 from .events import FailSlowDetected, NodeFaultDetected
 from .lifecycle_model import (
     Action,
@@ -96,68 +93,68 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
     if isinstance(event, StepExited):
         return _exited(state, event, now)
     if isinstance(event, StandbyAgentExited):
-        faults = [rc.NodeFaulted(None, event.node, f"standby agent exited with "
-                                                   f"{event.exit_code}")] \
+        faults = [recovery.NodeFaulted(None, event.node, f"standby agent exited with "
+                                                         f"{event.exit_code}")] \
             if event.node in state.run.standby else []
         return _faults(state, faults, now, f"standby agent on {event.node} exited")
     if isinstance(event, NodesReported):
         watched = _watched_nodes(state)
-        faults = [rc.NodeFaulted(watched[node], node, reason)
+        faults = [recovery.NodeFaulted(watched[node], node, reason)
                   for node, reason in event.unhealthy if node in watched]
         return _faults(state, faults, now, "Slurm reports node states")
     if isinstance(event, GradientsNonFinite):
-        if rr.applies(state.policy.sdc_replay, state.run, event.replica_id):
+        if replay_rule.applies(state.policy.sdc_replay, state.run, event.replica_id):
             return _replayed(state, _replay_nonfinite(state, event, now), now)
         return _nonfinite(state, event, now)
-    if isinstance(event, rr.ReplayLocated):
-        return _replayed(state, rr.on_located(state.replays, event), now)
+    if isinstance(event, replay_rule.ReplayLocated):
+        return _replayed(state, replay_rule.on_located(state.replays, event), now)
     if isinstance(event, QuorumLostMembers):
         return _quorum_lost(state, event)
     if isinstance(event, ReplicaSlowed):
         return _slowed(state, event, now)
     if isinstance(event, HangDiagnosed):
         return _hang_diagnosed(state, event, now)
-    if isinstance(event, rb.LossSpikeFound):
-        spiked = rb.decide(state.run, state.rolled_back, event, state.policy.spikes, now.wall)
+    if isinstance(event, rollback.LossSpikeFound):
+        spiked = rollback.decide(state.run, state.rolled_back, event, state.policy.spikes, now.wall)
         return _finish(replace(state, run=spiked.run, rolled_back=spiked.rolled_back),
                        list(spiked.actions), now, spiked.reason)
     if isinstance(event, InspectionAlarmed):
         faults = [] if event.node in state.run.evicted else [
-            rc.NodeFaulted(None, event.node, event.reason)]
+            recovery.NodeFaulted(None, event.node, event.reason)]
         return _faults(state, faults, now, f"inspection alarm on {event.node}")
-    if isinstance(event, cv.UpdateRequested):
-        run, versioned = cv.decide_version(state.run, event, now.wall, state.policy.versions)
+    if isinstance(event, versions.UpdateRequested):
+        run, versioned = versions.decide_version(state.run, event, now.wall, state.policy.versions)
         run, actions = _restarts(run, versioned, state.policy)
         return _finish(replace(state, run=run), actions, now,
                        f"update request {event.request.number}")
-    if isinstance(event, rc.StandbyAdded):
+    if isinstance(event, recovery.StandbyAdded):
         # Only the pool changes: nothing to launch, roll or finish (the shell hears of a
         # new standby while it carries out a promotion).
-        run, added = rc.decide(state.run, event, state.policy.recovery)
+        run, added = recovery.decide(state.run, event, state.policy.recovery)
         return Decision(replace(state, run=run), list(added), f"standby {event.node} added")
-    overdue = rr.on_tick(state.replays, now.elapsed, state.policy.replay_timeout)
+    overdue = replay_rule.on_tick(state.replays, now.elapsed, state.policy.replay_timeout)
     if overdue is not None:
         return _replayed(state, overdue, now)
     return _ticked(state, now)
 
 
 def _replay_nonfinite(state: ControllerState, event: GradientsNonFinite, now: Now
-                      ) -> rr.ReplayDecision:
+                      ) -> replay_rule.ReplayDecision:
     watch = state.watch[event.replica_id]
     training = [r.replica_id for r in state.run.replicas if _training(state, r.replica_id)]
-    return rr.on_nonfinite(state.replays, state.run, event.replica_id,
-                           watch.live and not watch.awaiting_start, training,
-                           state.policy.nonfinite_limit, now.elapsed,
-                           state.policy.replay_on_standby)
+    return replay_rule.on_nonfinite(state.replays, state.run, event.replica_id,
+                                    watch.live and not watch.awaiting_start, training,
+                                    state.policy.nonfinite_limit, now.elapsed,
+                                    state.policy.replay_on_standby)
 
 
-def _replayed(state: ControllerState, decision: rr.ReplayDecision, now: Now) -> Decision:
+def _replayed(state: ControllerState, decision: replay_rule.ReplayDecision, now: Now) -> Decision:
     """What the replay rule decided: a replay (the replica cancelled first), or its
     nodes to evict (one failure of it, as a hang's)."""
     state, replica_id = replace(state, replays=decision.book), decision.replica_id
     actions: list[Action] = [decision.record] if decision.record is not None else []
     if decision.replay is not None:
-        actions += [rc.CancelReplica(replica_id, decision.reason), decision.replay]
+        actions += [recovery.CancelReplica(replica_id, decision.reason), decision.replay]
     if decision.evict:
         state, evicted = _hang_faults(state, replica_id, decision.evict, decision.reason, now)
         actions += evicted
@@ -173,9 +170,9 @@ def _nonfinite(state: ControllerState, event: GradientsNonFinite, now: Now) -> D
     state = replace(state, nonfinite_steps=tuple(sorted(counts.items())))
     limit = state.policy.nonfinite_limit
     watched = _watched_nodes(state)
-    faults = [rc.NodeFaulted(event.replica_id, node,
-                             f"sdc: gradients computed on {node} held NaN/Inf in "
-                             f"{counts[node]} steps (replica {event.replica_id})")
+    faults = [recovery.NodeFaulted(event.replica_id, node,
+                                   f"sdc: gradients computed on {node} held NaN/Inf in "
+                                   f"{counts[node]} steps (replica {event.replica_id})")
               for node in event.nodes
               if limit and counts[node] >= limit and watched.get(node) == event.replica_id]
     return _faults(state, faults, now,
@@ -198,7 +195,7 @@ def _slowed(state: ControllerState, event: ReplicaSlowed, now: Now) -> Decision:
                               time=now.wall)
     if state.policy.slow_policy is not SlowPolicy.EVICT or not _training(state, rid):
         return Decision(state, [record], f"{reason}: reported, not evicted")
-    decision = _faults(state, [rc.NodeFaulted(None, node, reason) for node in nodes], now,
+    decision = _faults(state, [recovery.NodeFaulted(None, node, reason) for node in nodes], now,
                        f"replica {rid} is fail-slow")
     return replace(decision, actions=[record, *decision.actions])
 
@@ -263,7 +260,7 @@ def _committed(state: ControllerState, event: StepsCommitted, now: Now) -> Decis
     state = state.with_watch(rid, watch)
     # Any new commit is progress: after a full restart, steps repeat from the
     # checkpoint's, below the highest ever seen.
-    state = replace(state, run=rc.decide(state.run, ReplicaProgressed(rid))[0])
+    state = replace(state, run=recovery.decide(state.run, ReplicaProgressed(rid))[0])
     # it lives: nobody's suspect; the ones it reported lost stayed silent while it went on
     # (for as long as the quorum waited for them: else they may be alive, and stay suspects)
     reported = [lost for lost, reporter in state.suspects
@@ -273,9 +270,10 @@ def _committed(state: ControllerState, event: StepsCommitted, now: Now) -> Decis
     state = replace(state, suspects=tuple(s for s in state.suspects if s[0] != rid and
                                           not (s[1] == rid and s[0] not in reported) and
                                           s[0] not in confirmed))
-    faults = [rc.NodeFaulted(lost, state.run.replica(lost).nodes[0],
-                             f"the quorum of replica {rid} lost replica {lost}, and "
-                             f"replica {rid} trained on without it") for lost in confirmed]
+    faults = [recovery.NodeFaulted(lost, state.run.replica(lost).nodes[0],
+                                   f"the quorum of replica {rid} lost replica {lost}, and "
+                                   f"replica {rid} trained on without it")
+              for lost in confirmed]
     if faults:
         return _faults(state, faults, now, f"replica {rid} committed without replica(s) "
                                            f"{confirmed}")
@@ -290,22 +288,22 @@ def _exited(state: ControllerState, event: StepExited, now: Now) -> Decision:
     if event.exit_code == 0:
         # srun of a --no-kill job also ends with 0 when its node fails: finished only if
         # Slurm still has the nodes healthy.
-        failing = [rc.NodeFaulted(rid, node, f"step ended with its node failing ({reason})")
+        failing = [recovery.NodeFaulted(rid, node, f"step ended with its node failing ({reason})")
                    for node, reason in event.failing_nodes if node in nodes]
         if failing:
             return _faults(state, failing, now, why)
-        run, _ = rc.decide(state.run, rc.ReplicaFinished(rid))
+        run, _ = recovery.decide(state.run, recovery.ReplicaFinished(rid))
         return _finish(replace(state, run=run), [], now, f"replica {rid} finished")
     if event.exit_code == ExitCode.RUN_FINISHED:
         # started again after another replica had finished the run: nothing to join,
         # and nothing a relaunch could do
-        run, _ = rc.decide(state.run, rc.ReplicaFinished(rid))
+        run, _ = recovery.decide(state.run, recovery.ReplicaFinished(rid))
         return _finish(replace(state, run=run), [], now,
                        f"replica {rid} found the run finished: nothing to join")
     if event.exit_code == ExitCode.NODE_UNHEALTHY and nodes:
         reason = event.gate_reason or "health gate failed (its reason is in the replica's log)"
-        return _faults(state, [rc.NodeFaulted(rid, nodes[0], reason)], now, why)
-    return _failure(state, rc.ReplicaCrashed(rid, event.exit_code), [], now, why)
+        return _faults(state, [recovery.NodeFaulted(rid, nodes[0], reason)], now, why)
+    return _failure(state, recovery.ReplicaCrashed(rid, event.exit_code), [], now, why)
 
 
 def _ticked(state: ControllerState, now: Now) -> Decision:
@@ -318,7 +316,7 @@ def _ticked(state: ControllerState, now: Now) -> Decision:
 # ------------------------------------------------------------------- hang diagnosis
 
 
-def _diagnose_stalls(state: ControllerState, stalls: Sequence[rc.NodeFaulted], now: Now
+def _diagnose_stalls(state: ControllerState, stalls: Sequence[recovery.NodeFaulted], now: Now
                      ) -> Decision:
     """A stalled replica is diagnosed before it is evicted: its ranks' stacks say which
     node hangs (``HangDiagnosed``). A diagnosis the shell never answers (twice its own
@@ -395,20 +393,20 @@ def _hang_faults(state: ControllerState, replica_id: int, nodes: Sequence[str], 
     for index, node in enumerate(nodes):
         actions.append(NodeFaultDetected(node=node, replica_id=replica_id, reason=reason,
                                          time=now.wall))
-        fault = rc.NodeFaulted(replica_id if index == 0 else None, node, reason)
+        fault = recovery.NodeFaulted(replica_id if index == 0 else None, node, reason)
         decision = _failure(state, fault, [], now, reason, finish=False)
         state, actions = decision.state, actions + decision.actions
     replica = state.run.replica(replica_id)
     if replica.failures > failures + 1:    # the recovery table counted each node
         state = replace(state, run=state.run.with_replica(replace(replica,
                                                                   failures=failures + 1)))
-    superseded = [i for i, a in enumerate(actions) if isinstance(a, rc.RelaunchReplica)
-                  and any(isinstance(b, rc.CancelReplica) and b.replica_id == a.replica_id
+    superseded = [i for i, a in enumerate(actions) if isinstance(a, recovery.RelaunchReplica)
+                  and any(isinstance(b, recovery.CancelReplica) and b.replica_id == a.replica_id
                           for b in actions[i + 1:])]
     return state, [a for i, a in enumerate(actions) if i not in superseded]
 
 
-def _stalls(state: ControllerState, t: float) -> list[rc.NodeFaulted]:
+def _stalls(state: ControllerState, t: float) -> list[recovery.NodeFaulted]:
     """A replica that stopped committing while another went on: its node is suspect.
     Only commits count as going on: a replica just (re)launched is not progress, and
     survivors of a lost majority are stalled by the quorum, not by their nodes.
@@ -448,12 +446,13 @@ def _stalls(state: ControllerState, t: float) -> list[rc.NodeFaulted]:
                                                   enumerate(state.watch)
                                                   if other != rid and w.live)])
         if silent > limit and (others_moving or recovering):
-            found.append(rc.NodeFaulted(rid, replica.nodes[0],
-                                        f"replica {rid} made no progress for {silent:.0f} s"))
+            found.append(recovery.NodeFaulted(rid, replica.nodes[0],
+                                              f"replica {rid} made no progress for "
+                                              f"{silent:.0f} s"))
     return found
 
 
-def _faults(state: ControllerState, faults: Sequence[rc.NodeFaulted], now: Now,
+def _faults(state: ControllerState, faults: Sequence[recovery.NodeFaulted], now: Now,
             why: str) -> Decision:
     """Each fault recorded, then decided in turn."""
     actions: list[Action] = []
@@ -466,43 +465,43 @@ def _faults(state: ControllerState, faults: Sequence[rc.NodeFaulted], now: Now,
     return _finish(state, actions, now, f"{why}: {reason}" if faults else why)
 
 
-def _failure(state: ControllerState, event: rc.NodeFaulted | rc.ReplicaCrashed,
+def _failure(state: ControllerState, event: recovery.NodeFaulted | recovery.ReplicaCrashed,
              actions: list[Action], now: Now, why: str, finish: bool = True) -> Decision:
     """Both tables hear of a replica's failure. A crash that rolls back a code update is
     the code's fault, not the node's: the replica is relaunched in place on the older
     version instead of being retried or evicted. A node fault reported without a
     replica (an alarm, Slurm) does not count against the code."""
     run = state.run
-    recovery_event: rc.Event = event
+    recovery_event: recovery.RecoveryEvent = event
     if event.replica_id is not None:
-        run, versioned = cv.decide_version(run, cv.ReplicaFailed(event.replica_id), now.wall,
-                                           state.policy.versions)
+        run, versioned = versions.decide_version(run, versions.ReplicaFailed(event.replica_id),
+                                                 now.wall, state.policy.versions)
         run, more = _restarts(run, versioned, state.policy)
         actions = actions + more
-        rollback = [a for a in versioned if isinstance(a, cv.RollBack)]
-        if isinstance(event, rc.ReplicaCrashed) and rollback:
-            recovery_event = rc.RestartRequested(event.replica_id, rollback[0].reason)
-    run, recovered = rc.decide(run, recovery_event, state.policy.recovery)
+        rollbacks = [a for a in versioned if isinstance(a, versions.RollBack)]
+        if isinstance(event, recovery.ReplicaCrashed) and rollbacks:
+            recovery_event = recovery.RestartRequested(event.replica_id, rollbacks[0].reason)
+    run, recovered = recovery.decide(run, recovery_event, state.policy.recovery)
     state = replace(state, run=run)
     if not finish:
         return Decision(state, actions + list(recovered), why)
     return _finish(state, actions + list(recovered), now, why)
 
 
-def _records(actions: Sequence[cv.VersionAction]) -> list[Record]:
+def _records(actions: Sequence[versions.VersionAction]) -> list[Record]:
     """The version table's records; its RunVersion / RollBack are consumed here."""
     return [a for a in actions if isinstance(a, Record)]
 
 
-def _restarts(run: RunState, versioned: Sequence[cv.VersionAction], policy: Policy
+def _restarts(run: RunState, versioned: Sequence[versions.VersionAction], policy: Policy
               ) -> tuple[RunState, list[Action]]:
     """The version table's records, and its update restarts carried out by the recovery
     table (stop the replica, not a failure, and launch it again)."""
     actions: list[Action] = []
     for action in versioned:
-        if isinstance(action, cv.RestartReplicaForUpdate):
-            run, more = rc.decide(run, rc.RestartRequested(action.replica_id, action.reason),
-                                  policy.recovery)
+        if isinstance(action, versions.RestartReplicaForUpdate):
+            restart = recovery.RestartRequested(action.replica_id, action.reason)
+            run, more = recovery.decide(run, restart, policy.recovery)
             actions += more
         elif isinstance(action, Record):
             actions.append(action)
@@ -512,9 +511,9 @@ def _restarts(run: RunState, versioned: Sequence[cv.VersionAction], policy: Poli
 def _finish(state: ControllerState, actions: list[Action], now: Now, why: str) -> Decision:
     """Every decision ends alike: a due update restart, launches stamped with their code
     version and watched, the run's end if it came."""
-    if any(isinstance(a, rc.GiveUp) for a in actions):
+    if any(isinstance(a, recovery.GiveUp) for a in actions):
         return Decision(state, actions, why)
-    run, versioned = cv.roll(state.run, now.wall, [])
+    run, versioned = versions.roll(state.run, now.wall, [])
     run, restarts = _restarts(run, versioned, state.policy)
     state, actions = replace(state, run=run), actions + restarts
     state, actions = _launched(state, actions, now)
@@ -525,14 +524,14 @@ def _launched(state: ControllerState, actions: list[Action], now: Now
               ) -> tuple[ControllerState, list[Action]]:
     stamped: list[Action] = []
     for action in actions:
-        if isinstance(action, rc.CancelReplica):
+        if isinstance(action, recovery.CancelReplica):
             watch = replace(state.watch[action.replica_id], live=False)
             state = state.with_watch(action.replica_id, watch)
-        if isinstance(action, (StartReplica, rc.RelaunchReplica, rc.PromoteStandby)):
+        if isinstance(action, (StartReplica, recovery.RelaunchReplica, recovery.PromoteStandby)):
             state, records, command = _launch(state, action.replica_id, now)
             stamped += records
             action = replace(action, command=command)
-        elif isinstance(action, rc.FullRestart):
+        elif isinstance(action, recovery.FullRestart):
             commands = []
             for replica_id, _ in action.placements:
                 state, records, command = _launch(state, replica_id, now)
@@ -547,9 +546,9 @@ def _launch(state: ControllerState, replica_id: int, now: Now
             ) -> tuple[ControllerState, list[Record], tuple[str, ...]]:
     """Every launch runs the current code version (a pending update is applied at the
     replica's next recovery) and is watched from now on."""
-    versioned: list[cv.VersionAction] = []
-    run = cv.launching(state.run, replica_id, now.wall, versioned)
-    (runs,) = [a for a in versioned if isinstance(a, cv.RunVersion)]
+    versioned: list[versions.VersionAction] = []
+    run = versions.launching(state.run, replica_id, now.wall, versioned)
+    (runs,) = [a for a in versioned if isinstance(a, versions.RunVersion)]
     watch = replace(state.watch[replica_id], live=True, launched_at=now.elapsed,
                     last_time=now.elapsed, awaiting_start=True)
     state = replace(state, run=run).with_watch(replica_id, watch)

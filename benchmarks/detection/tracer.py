@@ -7,8 +7,14 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from .aggregation import Aggregation, EvictionDecision, FailSlowVote, RankPlace, diagnose
-from .stacks import ProcessStack, capture_all
+from ft_launch.health.aggregation import (
+    Aggregation,
+    EvictionDecision,
+    FailSlowVote,
+    RankPlace,
+    diagnose,
+)
+from ft_launch.health.stacks import ProcessStack, capture_all
 
 log = logging.getLogger(__name__)
 

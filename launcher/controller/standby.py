@@ -1,10 +1,10 @@
 """The warm standby agent: one job step per standby node.
 
-    python -m ft_launch.launcher.standby --run-dir DIR --node NODE -- python train.py ...
+    python -m ft_launch.launcher.controller.standby --run-dir DIR --node NODE -- python train.py
 
 The controller starts it behind the step-level health gate (``python -m
-ft_launch.slurm_plugins.gate -- python -m ft_launch.launcher.standby ...``), so it runs
-only on a node that passed the gate's checks. It imports what the training
+ft_launch.slurm_plugins.gate -- python -m ft_launch.launcher.controller.standby ...``), so
+it runs only on a node that passed the gate's checks. It imports what the training
 script needs (torch: seconds saved at promotion), writes ``standby/NODE.ready``
 and then waits, cheaply, for ``standby/NODE.activate`` (written atomically by
 the controller, naming the replica to become). On activation it runs the gate's
@@ -25,6 +25,7 @@ import os
 import runpy
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from ft_launch.errors import ExitCode, FtError
@@ -32,7 +33,7 @@ from ft_launch.files import atomic_write_text
 from ft_launch.launcher.worker.identity import ENV_REPLICA_ID, task_world_env
 from ft_launch.logs import configure_logging
 
-log = logging.getLogger("ft_launch.launcher.standby")
+log = logging.getLogger("ft_launch.launcher.controller.standby")
 POLL_INTERVAL = 0.02
 
 
@@ -62,18 +63,18 @@ def activate(run_dir: Path, node: str, env: dict[str, str],
     atomic_write_text(activation_file(run_dir, node), json.dumps(order))
 
 
-def recheck(node: str) -> str | None:
-    """The gate's checks again, at promotion: None when healthy, else the reason."""
-    from ft_launch.slurm_plugins.gate import gate, parse_args
+def recheck(env: Mapping[str, str]) -> str | None:
+    """The gate's checks again, at promotion, on this node (``env``: the step's
+    environment): None when healthy, else the reason."""
+    # Imported here, as late as the check: the agent's start is for the script's imports.
+    from ft_launch.health.gate import check_node
+    from ft_launch.health.settings import load_settings
 
     try:
-        code, report = gate(parse_args([]), os.environ)
+        failure = check_node(load_settings(env=env), env).failure
     except FtError as error:
         return f"health gate could not run: {error}"
-    if code == ExitCode.OK:
-        return None
-    failure = report.failure if report is not None else None
-    return f"health gate failed at promotion: {failure.reason if failure else code}"
+    return None if failure is None else f"health gate failed at promotion: {failure.reason}"
 
 
 def is_python(command: list[str]) -> bool:
@@ -120,7 +121,7 @@ def warm_up(command: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ft_launch.launcher.standby",
+    parser = argparse.ArgumentParser(prog="python -m ft_launch.launcher.controller.standby",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", type=Path, required=True)
@@ -145,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
              order["env"].get(ENV_REPLICA_ID, "?"))
     # The node passed the gate when this agent started, maybe hours ago: check again
     # before it becomes a replica (a failure here costs one more promotion, not a job).
-    unhealthy = recheck(args.node)
+    unhealthy = recheck(os.environ)
     if unhealthy is not None:
+        log.error("standby %s not promoted: %s", args.node, unhealthy)
         atomic_write_text(unhealthy_file(args.run_dir, args.node), unhealthy)
         return ExitCode.NODE_UNHEALTHY
     command = list(order.get("command") or command)   # a hot update may have changed it

@@ -1,4 +1,5 @@
-"""A stand-in reduced job for dual-phase replay (tests, demo, admin smoke runs).
+"""A stand-in reduced job for dual-phase replay, for the replay runner's tests (host and
+Slurm tiers), run by path: ``python tests/health/replay_job.py --expect DIGEST``.
 
 Every task computes a fixed workload in pure Python - only IEEE-754 additions,
 multiplications and divisions, so every correct machine gets the same bits -
@@ -51,15 +52,15 @@ def reference_digest() -> str:
 
 def node_corrupts(node: str) -> bool:
     """Whether this node has simulated silent data corruption injected."""
-    from .settings import load_settings
-    from .simulation import SimulatedNvml
+    from ft_launch.health.settings import load_settings
+    from ft_launch.health.simulation import SimulatedNvml
 
     backend = load_settings().gpu_backend(node)
     return isinstance(backend, SimulatedNvml) and backend.faults().sdc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ft_launch.health.replay_job",
+    parser = argparse.ArgumentParser(prog="replay_job.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--expect", required=True, help="the reference digest")
     args = parser.parse_args(argv)

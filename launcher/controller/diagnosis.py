@@ -49,7 +49,7 @@ from ft_launch.health.stacks import ProcessStack
 from ft_launch.slurm.client import SlurmBackend, cancel_named_step, launch_logged
 from ft_launch.slurm.commands import StepSpec
 
-from .worker.pids import RankProcess, read_rank_pids
+from ..worker.pids import RankProcess, read_rank_pids
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 
-from .channel import Sender
-from .wire import MessageKind, new_sender_id, write_number
+from ft_launch.health.channel import Sender
+from ft_launch.health.wire import MessageKind, new_sender_id, write_number
 
 
 class MetricsReporter:

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field, replace
 from ft_launch.config import Config, SlowPolicy, StandbyMode
 from ft_launch.events import Event as Record
 
-from . import recovery as rc
-from . import replay_rule as rr
-from . import rollback as rb
-from . import versions as cv
+from .recovery import RecoveryAction, RecoveryPolicy, StandbyAdded
+from .replay_rule import ReplayBook, ReplayLocated, RunReplay
+from .rollback import LossSpikeFound, SpikeRules
 from .run_state import RunState
+from .versions import UpdateRequested, VersionPolicy
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,8 @@ class Now:
 
 @dataclass(frozen=True)
 class Policy:
-    recovery: rc.Policy = field(default_factory=rc.Policy)
-    versions: cv.VersionPolicy = field(default_factory=cv.VersionPolicy)
+    recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
+    versions: VersionPolicy = field(default_factory=VersionPolicy)
     lost_timeout: float = 10.0      # a running replica without a commit this long is lost
     start_timeout: float = 300.0    # a relaunched replica gets this long to commit
     finish_grace: float = 60.0      # after one replica finished, the others get this long
@@ -36,7 +36,7 @@ class Policy:
     diagnosis_timeout: float = 30.0  # the shell's bound on taking them
     slow_policy: SlowPolicy = SlowPolicy.EVICT   # a fail-slow replica's nodes are evicted
     member_timeout: float = 3.0     # quorum.member_timeout: a lost member was silent this long
-    spikes: rb.SpikeRules = field(default_factory=rb.SpikeRules)   # a loss spike: rollback
+    spikes: SpikeRules = field(default_factory=SpikeRules)   # a loss spike: rollback
     sdc_replay: bool = True         # a multi-node replica's NaN/Inf node found by replay
     replay_timeout: float = 300.0   # the shell's bound on a replay
     #: standbys can host replay steps (in the allocation, not in a reservation's jobs)
@@ -45,14 +45,14 @@ class Policy:
     @classmethod
     def from_config(cls, whole: Config) -> Policy:
         config = whole.recovery
-        return cls(recovery=rc.Policy(retries_in_place=config.retries_in_place),
+        return cls(recovery=RecoveryPolicy(retries_in_place=config.retries_in_place),
                    lost_timeout=config.lost_timeout, start_timeout=config.start_timeout,
                    finish_grace=config.finish_grace, nonfinite_limit=config.nonfinite_limit,
                    hang_diagnosis=config.hang_diagnosis,
                    diagnosis_timeout=config.diagnosis_timeout,
                    slow_policy=config.slow_policy,
                    member_timeout=whole.quorum.member_timeout,
-                   spikes=rb.SpikeRules.from_config(whole),
+                   spikes=SpikeRules.from_config(whole),
                    sdc_replay=config.sdc_replay, replay_timeout=config.replay_timeout,
                    replay_on_standby=whole.job.standby_mode is StandbyMode.IN_ALLOCATION)
 
@@ -98,7 +98,7 @@ class ControllerState:
     #: the spiking step of every rollback so far (``rollback``): every launch carries them
     rolled_back: tuple[int, ...] = ()
     #: multi-node replicas' NaN/Inf steps, and their replays (``replay_rule``)
-    replays: rr.ReplayBook = field(default_factory=rr.ReplayBook)
+    replays: ReplayBook = field(default_factory=ReplayBook)
 
     @classmethod
     def initial(cls, run: RunState, policy: Policy | None = None) -> ControllerState:
@@ -183,8 +183,8 @@ class QuorumLostMembers:
 
 @dataclass(frozen=True)
 class HangDiagnosed:
-    """The stacks of a stalled replica's ranks were taken (``ft_launch.launcher.diagnosis``):
-    ``suspects``, the nodes they name; none when the diagnosis failed (``error``)."""
+    """The stacks of a stalled replica's ranks were taken (``diagnosis``): ``suspects``,
+    the nodes they name; none when the diagnosis failed (``error``)."""
 
     replica_id: int
     suspects: tuple[str, ...]
@@ -212,9 +212,8 @@ class Tick:
 
 Event = (RunStarted | ProcessStarted | StepsCommitted | StepExited | StandbyAgentExited
          | NodesReported | InspectionAlarmed | GradientsNonFinite | QuorumLostMembers
-         | HangDiagnosed | ReplicaSlowed | rb.LossSpikeFound | rr.ReplayLocated
-         | cv.UpdateRequested
-         | rc.StandbyAdded | Tick)
+         | HangDiagnosed | ReplicaSlowed | LossSpikeFound | ReplayLocated | UpdateRequested
+         | StandbyAdded | Tick)
 
 
 # --------------------------------------------------------------------------- actions
@@ -247,7 +246,7 @@ class DiagnoseHang:
 
 
 #: What the shell carries out; each says why.
-Order = rc.Action | StartReplica | FinishRun | DiagnoseHang | rr.RunReplay
+Order = RecoveryAction | StartReplica | FinishRun | DiagnoseHang | RunReplay
 #: Records (``ft_launch.events.Event``) are in the list too: the shell writes them to its log.
 Action = Order | Record
 

@@ -1,5 +1,5 @@
-"""The controller's detection core (pure): feed it what ranks and agents report,
-ask it at any time what is wrong.
+"""The detection library's core (pure): feed it what ranks and agents report, ask it
+at any time what is wrong.
 
 * ``RANK_SILENT``: no heartbeat or step from a rank for ``silent_timeout`` s
   (killed, or stopped: its heartbeat thread stops too).
@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .anomaly import AnomalySettings, MetricAnomalyDetector
-from .wire import Envelope, MessageKind, read_number
+from ft_launch.health.anomaly import AnomalySettings, MetricAnomalyDetector
+from ft_launch.health.wire import Envelope, MessageKind, read_number
 
 
 class AlarmKind(enum.Enum):

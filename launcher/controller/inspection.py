@@ -19,7 +19,7 @@ from ft_launch.health.inspection import node_alarm, report_from
 from ft_launch.slurm.client import SlurmBackend, cancel_named_step, launch_logged
 from ft_launch.slurm.commands import StepSpec
 
-from .worker.identity import node_address
+from ..worker.identity import node_address
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field, replace
 from .run_state import Replica, ReplicaProgressed, ReplicaState, RunState, record_progress
 
 #: The lifecycle types are re-exported: the table's callers need nothing else.
-__all__ = ["Action", "CancelReplica", "Event", "EvictNode", "FullRestart", "GiveUp",
-           "NodeFaulted", "Policy", "PromoteStandby", "RelaunchReplica", "Replica",
-           "ReplicaCrashed", "ReplicaFinished", "ReplicaProgressed", "ReplicaState",
-           "RestartRequested", "RunState", "StandbyAdded", "decide"]
+__all__ = ["CancelReplica", "EvictNode", "FullRestart", "GiveUp", "NodeFaulted",
+           "PromoteStandby", "RecoveryAction", "RecoveryEvent", "RecoveryPolicy",
+           "RelaunchReplica", "Replica", "ReplicaCrashed", "ReplicaFinished",
+           "ReplicaProgressed", "ReplicaState", "RestartRequested", "RunState", "StandbyAdded",
+           "decide"]
 
 
 # --------------------------------------------------------------------------- events
@@ -76,8 +77,8 @@ class StandbyAdded:
     node: str
 
 
-Event = (ReplicaCrashed | NodeFaulted | ReplicaProgressed | ReplicaFinished | RestartRequested
-         | StandbyAdded)
+RecoveryEvent = (ReplicaCrashed | NodeFaulted | ReplicaProgressed | ReplicaFinished
+                 | RestartRequested | StandbyAdded)
 
 
 # --------------------------------------------------------------------------- actions
@@ -129,20 +130,21 @@ class GiveUp:
     fatal: bool = False         # retrying (a requeue) cannot help: do not requeue
 
 
-Action = EvictNode | CancelReplica | PromoteStandby | RelaunchReplica | FullRestart | GiveUp
+RecoveryAction = (EvictNode | CancelReplica | PromoteStandby | RelaunchReplica | FullRestart
+                  | GiveUp)
 
 
 @dataclass(frozen=True)
-class Policy:
+class RecoveryPolicy:
     retries_in_place: int = 1   # crashes without a cause retried on the same nodes
 
 
 # --------------------------------------------------------------------------- decide
 
 
-def decide(state: RunState, event: Event, policy: Policy | None = None
-           ) -> tuple[RunState, list[Action]]:
-    policy = policy or Policy()
+def decide(state: RunState, event: RecoveryEvent, policy: RecoveryPolicy | None = None
+           ) -> tuple[RunState, list[RecoveryAction]]:
+    policy = policy or RecoveryPolicy()
     if isinstance(event, ReplicaProgressed):
         return record_progress(state, event.replica_id), []
     if isinstance(event, ReplicaFinished):
@@ -164,8 +166,8 @@ def decide(state: RunState, event: Event, policy: Policy | None = None
     return _crashed(state, event, policy)
 
 
-def _node_faulted(state: RunState, event: NodeFaulted) -> tuple[RunState, list[Action]]:
-    actions: list[Action] = []
+def _node_faulted(state: RunState, event: NodeFaulted) -> tuple[RunState, list[RecoveryAction]]:
+    actions: list[RecoveryAction] = []
     if event.node not in state.evicted:
         actions.append(EvictNode(event.node, event.reason))
         state = replace(state, evicted=state.evicted + (event.node,),
@@ -183,8 +185,8 @@ def _node_faulted(state: RunState, event: NodeFaulted) -> tuple[RunState, list[A
     return _replace_node(state, replica, event.node, actions, why)
 
 
-def _replace_node(state: RunState, replica: Replica, bad: str, actions: list[Action],
-                  why: str) -> tuple[RunState, list[Action]]:
+def _replace_node(state: RunState, replica: Replica, bad: str, actions: list[RecoveryAction],
+                  why: str) -> tuple[RunState, list[RecoveryAction]]:
     healthy = tuple(n for n in replica.nodes if n != bad)
     if state.standby:
         node, rest = state.standby[0], state.standby[1:]
@@ -196,7 +198,7 @@ def _replace_node(state: RunState, replica: Replica, bad: str, actions: list[Act
         updated = replace(replica, nodes=nodes, state=ReplicaState.RECOVERING,
                           failures=replica.failures + 1)
         why = f"{why}; standby {node} takes its place"
-        action: Action = PromoteStandby(replica.replica_id, node, why) \
+        action: RecoveryAction = PromoteStandby(replica.replica_id, node, why) \
             if len(replica.nodes) == 1 else RelaunchReplica(replica.replica_id, nodes, why)
         return state.with_replica(updated), actions + [action]
     # No standby left: the replica is lost; the others train on (FT-HSDP's point).
@@ -206,8 +208,8 @@ def _replace_node(state: RunState, replica: Replica, bad: str, actions: list[Act
     return state, actions
 
 
-def _crashed(state: RunState, event: ReplicaCrashed, policy: Policy
-             ) -> tuple[RunState, list[Action]]:
+def _crashed(state: RunState, event: ReplicaCrashed, policy: RecoveryPolicy
+             ) -> tuple[RunState, list[RecoveryAction]]:
     replica = state.replica(event.replica_id)
     if replica.retired:
         return state, []
@@ -238,8 +240,8 @@ def _lost_replicas(state: RunState, newly_lost: int) -> int:
                if r.replica_id == newly_lost or r.state is ReplicaState.FAILED)
 
 
-def _full_restart(state: RunState, actions: list[Action], why: str
-                  ) -> tuple[RunState, list[Action]]:
+def _full_restart(state: RunState, actions: list[RecoveryAction], why: str
+                  ) -> tuple[RunState, list[RecoveryAction]]:
     usable = [n for r in state.replicas for n in r.nodes if n not in state.evicted]
     usable += list(state.standby)         # the batch host, if still a standby, comes last
     size = state.nodes_per_replica

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ft_launch.config import Config, SpikePolicy
 
-from . import recovery as rc
+from . import recovery
 from .events import LossSpiked
 from .run_state import ReplicaState, RunState
 
@@ -71,7 +71,7 @@ class Outcome:
     run: RunState
     #: the spiking step of every rollback so far, in order (``worker.rollbacks``)
     rolled_back: tuple[int, ...]
-    actions: list[rc.Action | LossSpiked]
+    actions: list[recovery.RecoveryAction | LossSpiked]
     reason: str
 
 
@@ -93,12 +93,12 @@ def decide(run: RunState, rolled_back: tuple[int, ...], event: LossSpikeFound,
                         replicas=event.replicas, action=action, reason=reason, time=wall)
     if why_not:
         return Outcome(run, rolled_back, [record], reason)
-    cancels: list[rc.Action] = []
-    launches: list[rc.Action] = []
+    cancels: list[recovery.RecoveryAction] = []
+    launches: list[recovery.RecoveryAction] = []
     for replica_id in live:
-        run, restart = rc.decide(run, rc.RestartRequested(replica_id, reason))
-        cancels += [a for a in restart if isinstance(a, rc.CancelReplica)]
-        launches += [a for a in restart if not isinstance(a, rc.CancelReplica)]
+        run, restart = recovery.decide(run, recovery.RestartRequested(replica_id, reason))
+        cancels += [a for a in restart if isinstance(a, recovery.CancelReplica)]
+        launches += [a for a in restart if not isinstance(a, recovery.CancelReplica)]
     # every old process is stopped before a new one starts (and the histories keep
     # apart the ones Slurm ends late)
     return Outcome(run, (*rolled_back, event.step), [record, *cancels, *launches], reason)

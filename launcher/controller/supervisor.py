@@ -8,10 +8,10 @@ Watching (each observation is one ``lifecycle`` event):
   what the health gate wrote down);
 * progress comes from the replicas' own event files (``events/``);
 * Slurm's node states, inspection alarms, update requests, and time (``Tick``);
-* the hang diagnoses it runs in the background (``HangDiagnosed``: see
-  ``ft_launch.launcher.diagnosis``), so a stalled replica's stacks never hold up the loop;
+* the hang diagnoses it runs in the background (``HangDiagnosed``: see ``diagnosis``),
+  so a stalled replica's stacks never hold up the loop;
 * the dual-phase replays it runs in the background too (``ReplayLocated``: see
-  ``ft_launch.launcher.sdc_replay``).
+  ``sdc_replay``).
 
 Every action is logged with its reason (``ActionTaken``); every drain reason goes
 through ``ft_launch.health.drain``'s one sanitiser.
@@ -38,10 +38,13 @@ from ft_launch.slurm.client import SlurmBackend, cancel_named_step, launch_logge
 from ft_launch.slurm.commands import StepSpec
 from ft_launch.slurm.states import Disposition, node_disposition
 
-from . import lifecycle as lc
-from . import recovery as rc
-from . import rollback as rb
-from . import versions as cv
+from ..heartbeat import HeartbeatWriter
+from ..quorum.events import MembersLivenessChanged
+from ..worker.events import StepCommitted, StepDiscarded, WorkerStarted
+from ..worker.identity import ENV_REPLICA_ID, ENV_SECRET, replica_world_env
+from ..worker.pids import clear_rank_pids
+from ..worker.rollbacks import Rollbacks
+from . import lifecycle, recovery, rollback, versions
 from .diagnosis import DIAGNOSIS_DIR, HangDiagnosis, HangRequest
 from .events import (
     ActionTaken,
@@ -53,19 +56,13 @@ from .events import (
     RunFinished,
     StandbyPromoted,
 )
-from .heartbeat import HeartbeatWriter
 from .inspection import NodeInspection
 from .plan import LaunchPlan, replica_step_spec
 from .pool import ReservationPool
-from .quorum.events import MembersLivenessChanged
 from .replay_rule import RunReplay
 from .run_state import RunState
 from .sdc_replay import ReplaySetup, SdcReplays
 from .standby import activate, unhealthy_file
-from .worker.events import StepCommitted, StepDiscarded, WorkerStarted
-from .worker.identity import ENV_REPLICA_ID, ENV_SECRET, replica_world_env
-from .worker.pids import clear_rank_pids
-from .worker.rollbacks import Rollbacks
 
 log = logging.getLogger(__name__)
 NODE_CHECK_INTERVAL = 2.0
@@ -80,14 +77,14 @@ class Watched:
     job_id: str | None = None   # the job the step runs in (a standby job, or the main one)
 
 
-def system_clock() -> lc.Now:
-    return lc.Now(elapsed=time.monotonic(), wall=time.time())
+def system_clock() -> lifecycle.Now:
+    return lifecycle.Now(elapsed=time.monotonic(), wall=time.time())
 
 
 class Supervisor:
     def __init__(self, config: Config, plan: LaunchPlan, slurm: SlurmBackend, run_dir: Path,
                  worker_env: dict[str, str], events: EventLog,
-                 clock: Callable[[], lc.Now] = system_clock,
+                 clock: Callable[[], lifecycle.Now] = system_clock,
                  listen_host: str | None = None) -> None:
         """``listen_host``: where the controller's own endpoints (the inspection
         collector) listen: the source address of its route to the nodes; None:
@@ -99,12 +96,12 @@ class Supervisor:
         self.worker_env = worker_env
         self.events = events
         self.clock = clock
-        run = RunState.initial(plan.command, cv.digest_command(plan.command, Path.cwd()),
+        run = RunState.initial(plan.command, versions.digest_command(plan.command, Path.cwd()),
                                {r.replica_id: r.nodes for r in plan.replicas}, clock().wall,
                                standby=plan.standby,
                                nodes_per_replica=config.job.nodes_per_replica,
                                last_standby=plan.batch_host)
-        self.state = lc.ControllerState.initial(run, lc.Policy.from_config(config))
+        self.state = lifecycle.ControllerState.initial(run, lifecycle.Policy.from_config(config))
         self.replicas: dict[int, Watched] = {}
         self.standbys: dict[str, Watched] = {}
         self.tails = {r.replica_id: EventTail(run_dir / "events" /
@@ -127,11 +124,11 @@ class Supervisor:
             slurm, run_dir, plan.job_id or "", worker_env[ENV_SECRET], worker_env,
             len(plan.replicas), plan.tasks_per_node, config.recovery.replay_timeout,
             config.ckpt.fetch_timeout, config.ckpt.fetch_streams, config.slurm.srun_extra_args))
-        recovery = config.recovery
-        self.pace = (PeerSlowdownDetector(recovery.slow_factor, recovery.slow_window)
-                     if recovery.slow_policy is not SlowPolicy.OFF else None)
-        self.spikes = (StepLossSpikes(recovery.spike_factor, recovery.spike_window)
-                       if recovery.spike_policy is not SpikePolicy.OFF else None)
+        rules = config.recovery
+        self.pace = (PeerSlowdownDetector(rules.slow_factor, rules.slow_window)
+                     if rules.slow_policy is not SlowPolicy.OFF else None)
+        self.spikes = (StepLossSpikes(rules.spike_factor, rules.spike_window)
+                       if rules.spike_policy is not SpikePolicy.OFF else None)
 
     # ------------------------------------------------------------------ launching
 
@@ -159,14 +156,14 @@ class Supervisor:
         launch = self._launches[replica_id] = self._launches.get(replica_id, -1) + 1
         clear_rank_pids(self.run_dir, replica_id)   # a diagnosis finds only the new ones
         return {**self.worker_env, ENV_REPLICA_ID: str(replica_id),
-                # the states a (re)launched replica may restore (ft_launch.launcher.rollback)
+                # the states a (re)launched replica may restore (``rollback``)
                 ENV_ROLLBACKS: Rollbacks(self.state.rolled_back).to_env(),
                 **replica_world_env(self.plan.job_id or "", replica_id, launch, nodes,
                                     self.plan.tasks_per_node)}
 
     def launch_standby(self, node: str) -> None:
         command = (sys.executable, "-m", "ft_launch.slurm_plugins.gate", "--",
-                   sys.executable, "-m", "ft_launch.launcher.standby",
+                   sys.executable, "-m", "ft_launch.launcher.controller.standby",
                    "--run-dir", str(self.run_dir), "--node", node, "--", *self.plan.command)
         job_id = (self.pool.job_of(node) if self.pool else None) or self.plan.job_id
         spec = StepSpec(nodes=(node,), command=command, tasks_per_node=self.plan.tasks_per_node,
@@ -176,12 +173,12 @@ class Supervisor:
                                                               f"standby-{node}"), job_id)
 
     def start(self) -> None:
-        code = self.decide(lc.RunStarted())
+        code = self.decide(lifecycle.RunStarted())
         if code is not None:
             raise RuntimeError(f"the run ended as it started (exit code {code})")
         if self.pool is not None:
             for node in self.pool.acquire():
-                self.decide(rc.StandbyAdded(node))
+                self.decide(recovery.StandbyAdded(node))
         for node in self.state.run.standby:
             self.launch_standby(node)
         for replica in self.state.run.replicas:
@@ -211,20 +208,20 @@ class Supervisor:
 
     def poll(self) -> int | None:
         """One round of watching; an exit code when the run is over."""
-        observed: list[lc.Event] = [*self._read_progress(), *self._reap_exits()]
+        observed: list[lifecycle.Event] = [*self._read_progress(), *self._reap_exits()]
         now = self.clock()
         if self._last_node_check is None or \
                 now.elapsed - self._last_node_check > NODE_CHECK_INTERVAL:
             self._last_node_check = now.elapsed
-            observed.append(lc.NodesReported(tuple(
-                self._unhealthy(lc.nodes_to_check(self.state)).items())))
+            observed.append(lifecycle.NodesReported(tuple(
+                self._unhealthy(lifecycle.nodes_to_check(self.state)).items())))
         if self.inspection is not None:
-            observed += [lc.InspectionAlarmed(node, reason)
+            observed += [lifecycle.InspectionAlarmed(node, reason)
                          for node, reason in self.inspection.alarms()]
         observed += self._update_requests()
         observed += self._diagnosed()
         observed += self._replayed()
-        for event in [*observed, lc.Tick()]:
+        for event in [*observed, lifecycle.Tick()]:
             code = self.decide(event)
             if code is not None:
                 return code
@@ -232,15 +229,15 @@ class Supervisor:
             self._replenish()
         return None
 
-    def decide(self, event: lc.Event) -> int | None:
+    def decide(self, event: lifecycle.Event) -> int | None:
         """The one decision, then its actions in order; an exit code when the run ends."""
-        decision = lc.decide(self.state, event, self.clock())
+        decision = lifecycle.decide(self.state, event, self.clock())
         self.state = decision.state
         if decision.actions:
             log.info("decided: %s", decision.reason)
         return self._execute_all(decision.actions)
 
-    def _execute_all(self, actions: list[lc.Action]) -> int | None:
+    def _execute_all(self, actions: list[lifecycle.Action]) -> int | None:
         for action in actions:
             code = self.execute(action)
             if code is not None:
@@ -249,21 +246,21 @@ class Supervisor:
 
     # ------------------------------------------------------------------ observing
 
-    def _update_requests(self) -> list[lc.Event]:
+    def _update_requests(self) -> list[lifecycle.Event]:
         """New ``ft-launch update`` requests."""
         try:
-            requests = cv.read_update_requests(self.run_dir, after=self._updates_read)
-        except cv.UpdateRequestError as error:
+            requests = versions.read_update_requests(self.run_dir, after=self._updates_read)
+        except versions.UpdateRequestError as error:
             log.error("update request ignored: %s", error)
             self._updates_read += 1
             return []
         self._updates_read = max([self._updates_read, *(r.number for r in requests)])
-        return [cv.UpdateRequested(request) for request in requests]
+        return [versions.UpdateRequested(request) for request in requests]
 
-    def _read_progress(self) -> list[lc.Event]:
+    def _read_progress(self) -> list[lifecycle.Event]:
         """Each replica's new lines, in order: runs of commits (counted as one event)
         between the lines the controller acts on."""
-        found: list[lc.Event] = []
+        found: list[lifecycle.Event] = []
         trained: list[StepCommitted] = []
         for replica_id, tail in self.tails.items():
             commits = 0
@@ -274,7 +271,7 @@ class Supervisor:
                     slowed = self._paced(replica_id, event)
                     if slowed is None:
                         continue
-                    found.extend([lc.StepsCommitted(replica_id, commits), slowed])
+                    found.extend([lifecycle.StepsCommitted(replica_id, commits), slowed])
                     commits = 0
                     continue
                 if isinstance(event, WorkerStarted) and self.pace is not None:
@@ -282,11 +279,11 @@ class Supervisor:
                 observed = _observation(replica_id, event)
                 if observed is not None:
                     if commits:
-                        found.append(lc.StepsCommitted(replica_id, commits))
+                        found.append(lifecycle.StepsCommitted(replica_id, commits))
                     found.append(observed)
                     commits = 0
             if commits:
-                found.append(lc.StepsCommitted(replica_id, commits))
+                found.append(lifecycle.StepsCommitted(replica_id, commits))
         # The spike watch judges a step once every replica reported it, or once the job
         # is a few steps further (a replica died in it): so it takes this poll's losses
         # in step order across the replicas. One replica's lines read before the others'
@@ -295,17 +292,17 @@ class Supervisor:
         found.extend(spike for spike in map(self._spiked, trained) if spike is not None)
         return found
 
-    def _paced(self, replica_id: int, commit: StepCommitted) -> lc.ReplicaSlowed | None:
+    def _paced(self, replica_id: int, commit: StepCommitted) -> lifecycle.ReplicaSlowed | None:
         """A commit's own time (step minus waiting for the others) for the fail-slow
         watch: only trained steps with peers to wait for."""
         if (self.pace is None or commit.caught_up or commit.contributors < 2
                 or commit.step_s is None or commit.wait_s is None):
             return None
         slow = self.pace.observe(replica_id, commit.step_s - commit.wait_s)
-        return None if slow is None else lc.ReplicaSlowed(replica_id, slow.own_s,
-                                                          slow.peers_s, slow.steps)
+        return None if slow is None else lifecycle.ReplicaSlowed(replica_id, slow.own_s,
+                                                                 slow.peers_s, slow.steps)
 
-    def _spiked(self, commit: StepCommitted) -> rb.LossSpikeFound | None:
+    def _spiked(self, commit: StepCommitted) -> rollback.LossSpikeFound | None:
         """A commit's loss for the loss-spike watch: only trained steps of the history
         the run is in (the lines of processes a rollback cancelled are read late)."""
         if (self.spikes is None or commit.caught_up or commit.loss is None
@@ -313,11 +310,11 @@ class Supervisor:
             return None
         spike = self.spikes.observe(commit.step, commit.loss, commit.contributors,
                                     commit.history)
-        return None if spike is None else rb.LossSpikeFound(
+        return None if spike is None else rollback.LossSpikeFound(
             spike.step, spike.loss, spike.baseline, spike.replicas, commit.history)
 
-    def _reap_exits(self) -> list[lc.Event]:
-        found: list[lc.Event] = []
+    def _reap_exits(self) -> list[lifecycle.Event]:
+        found: list[lifecycle.Event] = []
         for replica_id, watched in list(self.replicas.items()):
             code = watched.proc.poll()
             if code is None:
@@ -326,13 +323,14 @@ class Supervisor:
             self.events.emit(ReplicaExited(replica_id=replica_id, exit_code=code))
             log.info("replica %d exited with %d", replica_id, code)
             nodes = self.state.run.replica(replica_id).nodes
-            found.append(lc.StepExited(replica_id, code, tuple(self._unhealthy(nodes).items()),
-                                       self._gate_reason(nodes[0]) if nodes else None))
+            found.append(lifecycle.StepExited(replica_id, code,
+                                              tuple(self._unhealthy(nodes).items()),
+                                              self._gate_reason(nodes[0]) if nodes else None))
         for node, watched in list(self.standbys.items()):
             code = watched.proc.poll()
             if code is not None:
                 del self.standbys[node]
-                found.append(lc.StandbyAgentExited(node, code))
+                found.append(lifecycle.StandbyAgentExited(node, code))
         return found
 
     def _gate_reason(self, node: str) -> str | None:
@@ -357,36 +355,36 @@ class Supervisor:
 
     # ------------------------------------------------------------------ actions
 
-    def execute(self, action: lc.Action) -> int | None:
+    def execute(self, action: lifecycle.Action) -> int | None:
         if isinstance(action, Event):
             self.events.emit(action)
             return None
         self._record(action)
-        if isinstance(action, rc.EvictNode):
+        if isinstance(action, recovery.EvictNode):
             self._drain(action.node, action.reason)
-        elif isinstance(action, rc.CancelReplica):
+        elif isinstance(action, recovery.CancelReplica):
             self._cancel_replica(action.replica_id)
-        elif isinstance(action, rc.PromoteStandby):
+        elif isinstance(action, recovery.PromoteStandby):
             self._promote(action.replica_id, action.node, action.command)
-        elif isinstance(action, lc.StartReplica):
+        elif isinstance(action, lifecycle.StartReplica):
             self.launch_replica(action.replica_id, action.nodes, "initial", action.command)
-        elif isinstance(action, rc.RelaunchReplica):
+        elif isinstance(action, recovery.RelaunchReplica):
             self.launch_replica(action.replica_id, action.nodes, "relaunch", action.command)
-        elif isinstance(action, rc.FullRestart):
+        elif isinstance(action, recovery.FullRestart):
             self.events.emit(FullRestartOrdered(placements={str(r): list(nodes) for r, nodes
                                                             in action.placements}))
             for (replica_id, nodes), command in zip(action.placements, action.commands,
                                                     strict=True):
                 self.launch_replica(replica_id, nodes, "restart", command)
-        elif isinstance(action, rc.GiveUp):
+        elif isinstance(action, recovery.GiveUp):
             code = ExitCode.FATAL_NO_REQUEUE if action.fatal else ExitCode.RECOVERABLE
             self.events.emit(RunFinished(exit_code=code, reason=action.reason))
             log.error("giving up: %s", action.reason)
             return code
-        elif isinstance(action, lc.FinishRun):
+        elif isinstance(action, lifecycle.FinishRun):
             self.events.emit(RunFinished(exit_code=ExitCode.OK, reason=action.reason))
             return ExitCode.OK
-        elif isinstance(action, lc.DiagnoseHang):
+        elif isinstance(action, lifecycle.DiagnoseHang):
             self._diagnose(action)
         elif isinstance(action, RunReplay):
             self.replays.start(action)
@@ -394,7 +392,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ hang diagnosis
 
-    def _diagnose(self, action: lc.DiagnoseHang) -> None:
+    def _diagnose(self, action: lifecycle.DiagnoseHang) -> None:
         """Take the stalled replica's stacks on a thread of its own (bounded by
         ``recovery.diagnosis_timeout``); ``_diagnosed`` hands the outcome to decide."""
         self._diagnosis_count += 1
@@ -409,26 +407,26 @@ class Supervisor:
             self.config.recovery.diagnosis_timeout,
             self.config.slurm.srun_extra_args).start()
 
-    def _diagnosed(self) -> list[lc.Event]:
-        found: list[lc.Event] = []
+    def _diagnosed(self) -> list[lifecycle.Event]:
+        found: list[lifecycle.Event] = []
         for rid, diagnosis in list(self._diagnoses.items()):
             outcome = diagnosis.outcome
             if outcome is None:
                 continue
             del self._diagnoses[rid]
             self.events.emit(outcome.record())
-            found.append(lc.HangDiagnosed(rid, outcome.suspects, outcome.summary,
-                                          outcome.report, outcome.error))
+            found.append(lifecycle.HangDiagnosed(rid, outcome.suspects, outcome.summary,
+                                                 outcome.report, outcome.error))
         return found
 
-    def _replayed(self) -> list[lc.Event]:
-        found: list[lc.Event] = []
+    def _replayed(self) -> list[lifecycle.Event]:
+        found: list[lifecycle.Event] = []
         for outcome in self.replays.finished():
             self.events.emit(outcome.record())
             found.append(outcome.located())
         return found
 
-    def _record(self, action: lc.Order) -> None:
+    def _record(self, action: lifecycle.Order) -> None:
         log.info("action: %s (%s)", type(action).__name__, action.reason)
         node = getattr(action, "node", None)
         self.events.emit(ActionTaken(action=type(action).__name__,
@@ -491,7 +489,7 @@ class Supervisor:
         tries again while the pool is short)."""
         added = self.pool.grow(self.clock().elapsed) if self.pool is not None else None
         if added is not None:
-            self.decide(rc.StandbyAdded(added))
+            self.decide(recovery.StandbyAdded(added))
             self.launch_standby(added)
             self._inspect(added, self.standbys[added].job_id)
 
@@ -523,12 +521,12 @@ class Supervisor:
             self.pool.release()
 
 
-def _observation(replica_id: int, event: Event) -> lc.Event | None:
+def _observation(replica_id: int, event: Event) -> lifecycle.Event | None:
     """What a line of a replica's event file tells the controller (None: nothing)."""
     if isinstance(event, WorkerStarted):
-        return lc.ProcessStarted(replica_id)
+        return lifecycle.ProcessStarted(replica_id)
     if isinstance(event, MembersLivenessChanged) and event.lost:
-        return lc.QuorumLostMembers(replica_id, tuple(event.lost))
+        return lifecycle.QuorumLostMembers(replica_id, tuple(event.lost))
     if isinstance(event, StepDiscarded) and event.nonfinite_nodes:
-        return lc.GradientsNonFinite(replica_id, tuple(event.nonfinite_nodes))
+        return lifecycle.GradientsNonFinite(replica_id, tuple(event.nonfinite_nodes))
     return None
