@@ -73,15 +73,33 @@ def clean_env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-def native_run(data: Path, out: Path) -> dict[str, object]:
-    """The native script under torchrun, DDP over 2 ranks: its final checkpoint."""
+def torchrun(script: Path, data: Path, out: Path, args: tuple[str, ...]) -> str:
+    """A native example script under torchrun, 2 processes: its printed output."""
     native = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(TOKENS / "train_native.py"), str(data), "--out", str(out), *ARGS],
+         str(script), str(data), "--out", str(out), *args],
         env=clean_env(), capture_output=True, text=True, timeout=patience(300), check=False)
     assert native.returncode == 0, native.stdout[-2000:] + native.stderr[-3000:]
-    norms = [float(n) for n in re.findall(r" norm ([0-9.]+)", native.stdout)]
-    assert norms and max(norms) > float(CLIP), native.stdout   # clipping took effect
+    return native.stdout
+
+
+def ft_local(script: Path, data: Path, out: Path, run_dir: Path, args: tuple[str, ...],
+             *options: str, **settings: str) -> None:
+    """An adopted example script as 2 replicas of 1 rank (``ft-launch local``)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ft_launch.launcher.cli", "local", "--replicas", "2",
+         "--run-dir", str(run_dir), *options, "--",
+         sys.executable, str(script), str(data), "--out", str(out), *args],
+        env={**clean_env(), **TEST_CONFIG, **settings}, capture_output=True, text=True,
+        timeout=patience(400), check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def native_run(data: Path, out: Path) -> dict[str, object]:
+    """The native script under torchrun, DDP over 2 ranks: its final checkpoint."""
+    stdout = torchrun(TOKENS / "train_native.py", data, out, ARGS)
+    norms = [float(n) for n in re.findall(r" norm ([0-9.]+)", stdout)]
+    assert norms and max(norms) > float(CLIP), stdout   # clipping took effect
     return flat(torch.load(out / "ckpt.pt", weights_only=False))
 
 
@@ -89,13 +107,7 @@ def local_run(data: Path, out: Path, run_dir: Path, *options: str,
               **settings: str) -> list[dict[str, object]]:
     """The adopted script as 2 replicas of 1 rank (``ft-launch local``): each replica's
     final checkpoint."""
-    done = subprocess.run(
-        [sys.executable, "-m", "ft_launch.launcher.cli", "local", "--replicas", "2",
-         "--run-dir", str(run_dir), *options, "--",
-         sys.executable, str(TOKENS / "train.py"), str(data), "--out", str(out), *ARGS],
-        env={**clean_env(), **TEST_CONFIG, **settings}, capture_output=True, text=True,
-        timeout=patience(400), check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ft_local(TOKENS / "train.py", data, out, run_dir, ARGS, *options, **settings)
     return [flat(torch.load(out / f"ckpt-replica{r}.pt", weights_only=False)) for r in (0, 1)]
 
 

@@ -27,12 +27,14 @@ from ft_launch.launcher.reporting.runlog import commits, controller_log
 from ft_launch.launcher.reporting.timeline import BandState, MarkKind, read_timeline
 from ft_launch.launcher.worker.audit import check_exactly_once
 from tests.waiting import patience
-from tests.worker.harness import REPO, TEST_CONFIG
+from tests.worker.harness import REPO
 from tests.worker.test_examples import (  # noqa: F401 (token_data: a fixture)
     clean_env,
     differing,
     flat,
+    ft_local,
     token_data,
+    torchrun,
 )
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -53,13 +55,9 @@ def saved_model(out: Path) -> dict[str, torch.Tensor]:
 
 def native_run(data: Path, out: Path) -> dict[str, object]:
     """The native script under torchrun, HSDP on a (2, 1) mesh: its final training state."""
-    native = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(REPLICAS),
-         str(HF_LLAMA / "train_native.py"), str(data), "--out", str(out), *ARGS],
-        env=clean_env(), capture_output=True, text=True, timeout=patience(300), check=False)
-    assert native.returncode == 0, native.stdout[-2000:] + native.stderr[-3000:]
-    norms = [float(n) for n in re.findall(r" norm ([0-9.]+)", native.stdout)]
-    assert norms and min(norms) > float(CLIP), native.stdout   # clipping took effect
+    stdout = torchrun(HF_LLAMA / "train_native.py", data, out, ARGS)
+    norms = [float(n) for n in re.findall(r" norm ([0-9.]+)", stdout)]
+    assert norms and min(norms) > float(CLIP), stdout   # clipping took effect
     return flat(torch.load(out / "state.pt", weights_only=False))
 
 
@@ -67,13 +65,7 @@ def local_run(data: Path, out: Path, run_dir: Path, *options: str,
               **settings: str) -> list[dict[str, object]]:
     """The adopted script as 2 replicas of 1 rank (``ft-launch local``): each replica's
     final training state."""
-    done = subprocess.run(
-        [sys.executable, "-m", "ft_launch.launcher.cli", "local", "--replicas", str(REPLICAS),
-         "--run-dir", str(run_dir), *options, "--",
-         sys.executable, str(HF_LLAMA / "train.py"), str(data), "--out", str(out), *ARGS],
-        env={**clean_env(), **TEST_CONFIG, **settings}, capture_output=True, text=True,
-        timeout=patience(400), check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ft_local(HF_LLAMA / "train.py", data, out, run_dir, ARGS, *options, **settings)
     return [flat(torch.load(out / f"state-replica{r}.pt", weights_only=False))
             for r in range(REPLICAS)]
 
