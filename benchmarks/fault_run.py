@@ -35,12 +35,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from ft_launch.env import ENV_OBSERVER
 from ft_launch.launcher.worker.audit import AuditError, check_exactly_once
 from ft_launch.launcher.worker.events import StepCommitted
 from ft_launch.launcher.worker.local import LocalJob
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"
+#: The workers' step observer: it injects the kill or the hang (tests/faults)
+INJECTOR = {ENV_OBSERVER: str(REPO / "tests" / "faults" / "injector.py")}
 CONFIG = {
     "FTL_QUORUM_HEARTBEAT_INTERVAL": "0.1", "FTL_QUORUM_ELECTION_TIMEOUT": "0.5",
     "FTL_QUORUM_MEMBER_TIMEOUT": "1.0", "FTL_QUORUM_JOIN_TIMEOUT": "1.0",
@@ -57,7 +60,7 @@ def run(run_dir: Path, args: argparse.Namespace, fault: str | None,
     """One run; ``fault``: None, "kill" (restart) or "hang" (SIGSTOP, then SIGCONT)."""
     command = [sys.executable, str(TRAIN), "--steps", str(args.steps), "--size", args.size,
                "--batch-size", str(args.batch_size), "--threads", "1"]
-    job = LocalJob(run_dir, args.replicas, command, config or CONFIG)
+    job = LocalJob(run_dir, args.replicas, command, {**(config or CONFIG), **INJECTOR})
     victim = 1
     point = {"kill": "kill@after_commit", "hang": "stop@mid_allreduce"}.get(fault or "")
     job.start_all({victim: f"{point}:{args.kill_step}"} if point else {})

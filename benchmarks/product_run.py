@@ -49,6 +49,7 @@ from ft_launch.launcher.controller.events import (
 from ft_launch.launcher.reporting.runlog import commits, controller_log
 from ft_launch.launcher.worker.events import StepCommitted, WorkerStarted
 from tests.cluster import labcluster
+from tests.faults import lab_env
 from tests.waiting import wait_until
 
 #: The replica whose node gets the fault (replica 0 shares its CPUs' rhythm with the
@@ -59,7 +60,7 @@ REPLICAS = 3
 #: 4 s without a commit; no persistent checkpoints in the way of the timings.
 DETECTION = {"FTL_RECOVERY_LOST_TIMEOUT": "4", "FTL_RECOVERY_START_TIMEOUT": "60",
              "FTL_QUORUM_JOIN_TIMEOUT": "1", "FTL_CKPT_PERSIST_EVERY": "100000"}
-#: How the rank's log says a scripted fault fired (``ft_launch.launcher.worker.faults``).
+#: How the rank's log says a scripted fault fired (``tests/faults/injector.py``).
 FAULT_LINE = "injecting fault: {action} "
 LOG_STAMP = "%Y-%m-%d %H:%M:%S,%f"          # ft_launch.logs.FORMAT's asctime
 
@@ -206,8 +207,9 @@ def run_with_fault(fault: str, step: int = 60, steps: int = 400,
     runs = Path(tempfile.mkdtemp(prefix=f"ftl-{fault}-bench-")) / "runs"
     settings = {"PYTHON": sys.executable, "STEPS": str(steps), "SIZE": "small",
                 "TASKS_PER_NODE": "2", "FTL_RUN_LOG_DIR": str(runs), **DETECTION}
-    if kind.inject:
+    if kind.inject:     # the workers' step observer injects it
         settings["FTL_WORKER_INJECT"] = kind.inject.format(step=step, node=node)
+        settings.update(lab_env())
     job_id = labcluster.ctl_run(
         ["sbatch", "--parsable", f"--chdir={REPO}", f"--nodelist={','.join(nodes)}",
          f"--output={runs.parent}/job.out",

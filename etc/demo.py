@@ -52,6 +52,7 @@ from ft_launch.launcher.reporting.runlog import controller_log
 from ft_launch.launcher.reporting.status import RunStatus
 from ft_launch.launcher.reporting.timeline import BandState
 from tests.cluster import labcluster
+from tests.faults import lab_env
 
 STEPS = 1500
 KILL_AT_STEP = 200
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         exports += f",FTL_WORKER_INJECT={INJECTED[args.fault]}@{victim}"
     if args.fault == "spike":        # every rank of every replica, on every node
         exports += f",FTL_WORKER_INJECT=spike@loss:{KILL_AT_STEP}"
+    if "FTL_WORKER_INJECT" in exports:   # the workers' step observer injects it
+        exports += "".join(f",{name}={value}" for name, value in lab_env().items())
     submitted = labcluster.ctl_run(["sbatch", "--parsable", f"--chdir={REPO}", *pinned,
                                     f"--output={out}/job.out", f"--export={exports}",
                                     str(REPO / "etc" / "examples" / "train.sbatch")])

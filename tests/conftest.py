@@ -17,9 +17,17 @@ import pytest
 from ft_launch.errors import SlurmCommandError
 from ft_launch.slurm.client import SlurmCli
 from tests.cluster import labcluster
+from tests.faults import lab_env
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Every worker the tests start (loopback, and the lab cluster's jobs: they inherit
+# this environment) has the fault injector as its step observer, as the tests inject
+# faults through FTL_WORKER_INJECT and the simulated GPUs' fault files. Unset in
+# production: there the observer is the no-op one (tests/worker/test_observer.py).
+for _name, _value in lab_env().items():
+    os.environ.setdefault(_name, _value)
 
 #: --end-by and --run-first, for running part of a tier within CI's time.
 pytest_plugins = ["tests.budget"]

@@ -63,17 +63,18 @@ class SlurmCli:
     def run(self, argv: Sequence[str]) -> str:
         return self._run(argv).stdout
 
-    def _run(self, argv: Sequence[str], cwd: str | None = None,
-             wait_forever: bool = False) -> subprocess.CompletedProcess[str]:
-        """Bounded by ``command_timeout``, unless ``wait_forever`` (salloc in the queue:
-        as long as it takes, as sbatch's job would wait)."""
-        limit = None if wait_forever else self.command_timeout
+    def _run(self, argv: Sequence[str], cwd: str | None = None, wait_forever: bool = False,
+             longer_s: float = 0.0) -> subprocess.CompletedProcess[str]:
+        """Bounded by ``command_timeout`` (plus ``longer_s``, the time the command itself
+        may take by design), unless ``wait_forever`` (salloc in the queue: as long as it
+        takes, as sbatch's job would wait)."""
+        limit = None if wait_forever else self.command_timeout + longer_s
         try:
             result = subprocess.run([*self.prefix, *argv], capture_output=True, text=True,
                                     check=False, timeout=limit, env=self.env, cwd=cwd)
-        except subprocess.TimeoutExpired:
-            raise SlurmCommandError(f"'{' '.join(argv)}' did not answer within "
-                                    f"{self.command_timeout} s",
+        except subprocess.TimeoutExpired as expired:
+            self._cancel_abandoned(argv, expired.stderr)
+            raise SlurmCommandError(f"'{' '.join(argv)}' did not answer within {limit:g} s",
                                     hint="slurmctld may be overloaded; retry") from None
         except FileNotFoundError:
             raise SlurmCommandError(f"'{argv[0]}' not found on PATH",
@@ -82,6 +83,19 @@ class SlurmCli:
             raise SlurmCommandError(f"'{' '.join(argv)}' failed (exit {result.returncode}): "
                                     f"{result.stderr.strip() or result.stdout.strip()}")
         return result
+
+    def _cancel_abandoned(self, argv: Sequence[str], stderr: bytes | str | None) -> None:
+        """A salloc killed while its request waits in the queue leaves the job pending:
+        it would take its nodes later, for nobody. Cancel it (salloc names it first)."""
+        text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or ""
+        job_id = parse.parse_pending_job(text) if argv[:1] == ["salloc"] else None
+        if job_id is None:
+            return
+        try:
+            self.cancel_job(job_id)
+        except SlurmCommandError as error:
+            log.warning("job %s, which a salloc that timed out left pending, not cancelled: "
+                        "%s", job_id, error)
 
     def job(self, job_id: str) -> JobInfo | None:
         jobs = parse.parse_jobs(self.run(commands.show_job_argv(job_id)))
@@ -137,10 +151,11 @@ class SlurmCli:
                  immediate_s: int | None = None, extra: tuple[str, ...] = (),
                  wait_forever: bool = False) -> str:
         """``salloc --no-shell``; returns the new job's id."""
+        # --immediate: salloc gives up by itself (and withdraws its request) first
         result = self._run(commands.allocate_argv(nodes, name=name, reservation=reservation,
                                                   nodelist=nodelist, expand=expand,
                                                   immediate_s=immediate_s, extra=extra),
-                           wait_forever=wait_forever)
+                           wait_forever=wait_forever, longer_s=immediate_s or 0)
         job_id = parse.parse_granted_job(result.stderr + result.stdout)
         if job_id is None:
             raise SlurmCommandError(f"salloc granted no allocation: {result.stderr.strip()}")

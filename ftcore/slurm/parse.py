@@ -233,11 +233,18 @@ def _node_from_words(name: str, words: list[str], reason: str, address: str) -> 
 
 
 _GRANTED = re.compile(r"Granted job allocation (\d+)")
+_PENDING = re.compile(r"Pending job allocation (\d+)")
 
 
 def parse_granted_job(text: str) -> str | None:
     """The job id salloc reports (on stderr), or None."""
     found = _GRANTED.search(text)
+    return found.group(1) if found else None
+
+
+def parse_pending_job(text: str) -> str | None:
+    """The job id salloc reports while its request waits in the queue, or None."""
+    found = _PENDING.search(text)
     return found.group(1) if found else None
 
 

@@ -39,6 +39,7 @@ What ``lifecycle.decide`` takes (the union ``lifecycle_model.Event``):
     ``lifecycle_model.StepsCommitted``      commits read from a replica's event files
     ``lifecycle_model.StepExited``          a replica's srun exited
     ``lifecycle_model.StandbyAgentExited``  a standby agent's step ended
+    ``lifecycle_model.PromotionFailed``     Slurm would not move a promoted standby in
     ``lifecycle_model.NodesReported``       Slurm's unusable nodes, with why
     ``lifecycle_model.InspectionAlarmed``   a node's inspection failed
     ``lifecycle_model.GradientsNonFinite``  a replica's gradients held NaN/Inf

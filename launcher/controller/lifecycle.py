@@ -42,6 +42,7 @@ from .lifecycle_model import (
     Order,
     Policy,
     ProcessStarted,
+    PromotionFailed,
     QuorumLostMembers,
     ReplicaSlowed,
     RunStarted,
@@ -58,9 +59,9 @@ from .run_state import ReplicaProgressed, ReplicaState, RunState
 __all__ = [
     "Action", "ControllerState", "Decision", "DiagnoseHang", "Event", "FinishRun",
     "GradientsNonFinite", "HangDiagnosed", "HangWatch", "InspectionAlarmed",
-    "NodesReported", "Now", "Order", "Policy", "ProcessStarted", "QuorumLostMembers",
-    "ReplicaSlowed", "RunStarted", "StandbyAgentExited", "StartReplica", "StepExited",
-    "StepsCommitted", "Tick", "Watch", "decide", "nodes_to_check",
+    "NodesReported", "Now", "Order", "Policy", "ProcessStarted", "PromotionFailed",
+    "QuorumLostMembers", "ReplicaSlowed", "RunStarted", "StandbyAgentExited", "StartReplica",
+    "StepExited", "StepsCommitted", "Tick", "Watch", "decide", "nodes_to_check",
 ]
 
 
@@ -97,6 +98,11 @@ def decide(state: ControllerState, event: Event, now: Now) -> Decision:
                                                          f"{event.exit_code}")] \
             if event.node in state.run.standby else []
         return _faults(state, faults, now, f"standby agent on {event.node} exited")
+    if isinstance(event, PromotionFailed):
+        # the same path as a promoted standby whose gate fails: the next standby, or
+        # the replica is lost and the others train on
+        return _faults(state, [recovery.NodeFaulted(event.replica_id, event.node, event.reason)],
+                       now, f"the promotion of {event.node} failed")
     if isinstance(event, NodesReported):
         watched = _watched_nodes(state)
         faults = [recovery.NodeFaulted(watched[node], node, reason)

@@ -151,6 +151,16 @@ class StandbyAgentExited:
 
 
 @dataclass(frozen=True)
+class PromotionFailed:
+    """Slurm did not hand the promoted standby ``node`` to the replica (its move into
+    the job failed): the node is lost to the run, and the replica needs the next one."""
+
+    replica_id: int
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class NodesReported:
     """Slurm's answer for ``nodes_to_check``: the unusable ones, with why."""
 
@@ -211,7 +221,7 @@ class Tick:
 
 
 Event = (RunStarted | ProcessStarted | StepsCommitted | StepExited | StandbyAgentExited
-         | NodesReported | InspectionAlarmed | GradientsNonFinite | QuorumLostMembers
+         | PromotionFailed | NodesReported | InspectionAlarmed | GradientsNonFinite | QuorumLostMembers
          | HangDiagnosed | ReplicaSlowed | LossSpikeFound | ReplayLocated | UpdateRequested
          | StandbyAdded | Tick)
 

@@ -104,8 +104,13 @@ class ReservationPool:
         grow = self.slurm.allocate(1, name=f"ftl-grow-{self.main_job_id}",
                                    reservation=self.reservation, nodelist=(node,),
                                    expand=self.main_job_id, immediate_s=30)
-        self.slurm.resize_job(grow, 0)      # its node goes to the main job ...
-        self.slurm.cancel_job(grow)         # ... and the empty helper job goes away
+        try:
+            self.slurm.resize_job(grow, 0)  # its node goes to the main job ...
+        finally:                            # ... and the helper job goes away (with the
+            try:                            # node, if the hand-over failed)
+                self.slurm.cancel_job(grow)
+            except SlurmCommandError as error:
+                log.warning("helper job %s not cancelled: %s", grow, error)
         log.info("node %s moved from standby job %s into job %s", node, job_id,
                  self.main_job_id)
 

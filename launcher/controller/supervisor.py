@@ -464,7 +464,16 @@ class Supervisor:
             self._cancel_standby(node)
             if self.inspection is not None:
                 self.inspection.unwatch(node)   # its step ends with the standby job's node
-            self.pool.move_to_main(node)
+            try:
+                self.pool.move_to_main(node)
+            except SlurmCommandError as error:
+                # Its standby job is gone, but Slurm did not hand the node over (a busy
+                # slurmctld; a node slow to end the standby job): the run goes on.
+                log.error("standby %s not moved into job %s: %s", node, self.plan.job_id, error)
+                self.decide(lifecycle.PromotionFailed(
+                    replica_id, node, f"promotion failed: Slurm did not move {node} into job "
+                                      f"{self.plan.job_id} (the controller's log says why)"))
+                return
             self._expanded.add(node)
             self._inspect(node, self.plan.job_id)
             self.events.emit(StandbyPromoted(replica_id=replica_id, node=node,
@@ -487,7 +496,9 @@ class Supervisor:
     def _replenish(self) -> None:
         """Reservation mode: hold a new standby node for one a promotion used (``poll``
         tries again while the pool is short)."""
-        added = self.pool.grow(self.clock().elapsed) if self.pool is not None else None
+        if self.pool is None or not self.pool.short:
+            return
+        added = self.pool.grow(self.clock().elapsed)
         if added is not None:
             self.decide(recovery.StandbyAdded(added))
             self.launch_standby(added)

@@ -4,8 +4,12 @@ behind -> forward/backward, each gradient shard reduced across replicas by FTAR
 as backward produces it -> intra-replica two-phase commit -> snapshot.
 
 The pure parts (``protocol``, ``ledger``, ``lr``) import neither torch nor
-sockets; ``manager`` wires quorum, FTAR and checkpoints, with ``exchange`` the
-thread that runs a step's quorum and reductions in order; ``torch_api`` is the
+sockets; ``manager`` is the step protocol (a step's own state: ``step``), with
+``exchange`` the thread that runs a step's quorum and reductions in order, and
+beside it ``step_quorum`` (each step's quorum and plan), ``checkpoints`` (the
+checkpointer, the restore at start), ``controller_loss``, ``ring_relay`` (a lost
+member fails the rings at once) and ``observer`` (the step observer: no-op in
+production, the seam fault drills inject through); ``torch_api`` is the
 torch front end a training script adopts (``torch_hooks``: FSDP2's all-reduce
 hook, DDP's comm hook); ``task`` starts a replica's task with its torch world
 (``identity``); ``replay`` is the runtime's replay mode (one recorded step,

@@ -6,7 +6,8 @@ job steps.
 ``ft-launch local``: it starts every replica, starts one that dies again (as
 ``torchrun --max-restarts`` would), and records what it did in the run directory's
 ``controller.jsonl``, so ``ft-launch status`` and ``timeline`` read a local run as
-they read one under Slurm.
+they read one under Slurm. Its ``--kill`` is a step observer in the worker
+(``KillAfterCommit``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ft_launch.env import ENV_INJECT, ENV_PREFIX
-from ft_launch.errors import ExitCode
+from ft_launch.config import Config
+from ft_launch.env import ENV_INJECT, ENV_KILL_AFTER, ENV_OBSERVER, ENV_PREFIX
+from ft_launch.errors import ExitCode, UsageError
 from ft_launch.events import Event, EventLog, RunStarted, read_events
 from ft_launch.ids import new_job_secret
 from ft_launch.launcher.controller.events import ReplicaExited, ReplicaLaunched, RunFinished
@@ -39,7 +41,9 @@ from .identity import (
     ENV_REPLICA_ID,
     ENV_RUN_DIR,
     ENV_SECRET,
+    WorkerIdentity,
 )
+from .observer import StepObserver
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,11 @@ class LocalJob:
 
     def env(self, replica_id: int, inject: str, rank: int = 0,
             incarnation: str = "0", master_port: int = 0) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        """A rank's environment. ``inject``: its scripted faults (``FTL_WORKER_INJECT``,
+        for the step observer this process names, as ft-launch run's job steps
+        inherit it: the tests' fault injector)."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(ENV_PREFIX) or k == ENV_OBSERVER}
         env.update(self.config_env)
         env.update({ENV_REPLICA_ID: str(replica_id), ENV_NUM_REPLICAS: str(self.replicas),
                     ENV_RUN_DIR: str(self.run_dir), ENV_SECRET: self.secret,
@@ -84,17 +92,20 @@ class LocalJob:
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
         return env
 
-    def start(self, replica_id: int, inject: str = "") -> subprocess.Popen[bytes]:
-        """Start every rank of ``replica_id`` (a new incarnation); returns rank 0."""
+    def start(self, replica_id: int, inject: str = "",
+              extra_env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start every rank of ``replica_id`` (a new incarnation); returns rank 0.
+        ``extra_env`` goes over each rank's environment."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         incarnation = str(len(self.procs.get(replica_id, [])))
         ranks = []
         port = free_port()
         with (self.run_dir / f"replica-{replica_id}.log").open("ab") as log:
             for rank in range(self.ranks):
-                ranks.append(subprocess.Popen(
-                    list(self.command), env=self.env(replica_id, inject, rank, incarnation, port),
-                    stdout=log, stderr=subprocess.STDOUT))
+                env = {**self.env(replica_id, inject, rank, incarnation, port),
+                       **(extra_env or {})}
+                ranks.append(subprocess.Popen(list(self.command), env=env, stdout=log,
+                                              stderr=subprocess.STDOUT))
         self.procs.setdefault(replica_id, []).append(ranks)
         return ranks[0]
 
@@ -177,7 +188,7 @@ class LocalRun:
                                    nodes=[LOCAL_NODE]))
             for replica_id in range(job.replicas):
                 kill = self.kills.get(replica_id)
-                job.start(replica_id, "" if kill is None else f"kill@after_commit:{kill}")
+                job.start(replica_id, extra_env=None if kill is None else kill_after_commit(kill))
                 events.emit(ReplicaLaunched(replica_id=replica_id, nodes=[LOCAL_NODE],
                                             how="initial"))
             try:
@@ -239,3 +250,27 @@ class LocalRun:
                     proc.wait()
             return failed[0]
         return 0 if all(c == 0 for c in codes) else None
+
+
+def kill_after_commit(step: int) -> dict[str, str]:
+    """The environment of a replica that ``ft-launch local --kill`` kills after it
+    commits ``step`` (its first incarnation: ``LocalRun`` starts the next without)."""
+    return {ENV_OBSERVER: f"{__name__}:KillAfterCommit", ENV_KILL_AFTER: str(step)}
+
+
+class KillAfterCommit(StepObserver):
+    """``ft-launch local --kill``, in the worker: SIGKILL right after committing the
+    step ``FTL_WORKER_KILL_AFTER`` names, to watch the replica recover (every rank
+    alike: a node lost)."""
+
+    def __init__(self, config: Config, identity: WorkerIdentity) -> None:
+        try:
+            self.step = int(os.environ.get(ENV_KILL_AFTER, ""))
+        except ValueError:
+            raise UsageError(f"{ENV_KILL_AFTER}={os.environ.get(ENV_KILL_AFTER)!r}: expected "
+                             "a step number", hint="ft-launch local --kill sets it") from None
+
+    def after_commit(self, step: int) -> None:
+        if step == self.step:
+            log.warning("ft-launch local --kill: killed after committing step %d", step)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -49,7 +49,7 @@ from ft_launch.errors import UsageError
 from .exchange import Job
 from .identity import WorkerIdentity
 from .ledger import DataLedger
-from .manager import GradientNorm, Manager, Reduction, TrainState
+from .manager import Manager
 from .protocol import NonFiniteGradientsError, StepPlan
 from .replay_files import (
     RankDigest,
@@ -61,6 +61,7 @@ from .replay_files import (
     write_result,
 )
 from .replica_group import ReplicaGroup, SoloGroup
+from .step import GradientNorm, Reduction, StepContext, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,7 @@ class ReplayManager(Manager):
         self._next_step = spec.step + 1
         self._ring = DigestRing(config.ftar)
         self._nonfinite = 0
-        self._started = False
-        self._exchanged = False
+        self._step: StepContext | None = None
         log.info("replaying step %d of replica %d as rank %d of group %s on %s",
                  self._next_step, spec.replica_id, identity.rank, self._label, identity.node)
 
@@ -138,7 +138,7 @@ class ReplayManager(Manager):
     # ------------------------------------------------------------------ the step
 
     def start_step(self) -> None:
-        self._started, self._exchanged = True, False
+        self._step = StepContext()
 
     def reduce_gradients(self, reduce: Callable[[Reduction], None],
                          after: Callable[[], None] | None = None) -> Job:
@@ -157,12 +157,13 @@ class ReplayManager(Manager):
         return job
 
     def allreduce_gradients(self) -> None:
-        if self._exchanged:
-            return
-        if not self._started:
+        step = self._step
+        if step is None:
             raise RuntimeError("start_step() first")
+        if step.exchanged:
+            return
         self.reduce_gradients(self._state.reduce_gradients)
-        self._exchanged = True
+        step.exchanged = True
         self._state.finish_gradients()
 
     def commit(self, loss: float | None = None) -> bool:

@@ -82,15 +82,15 @@ from ft_launch.config import Config, load_config
 from ft_launch.errors import UsageError
 from ft_launch.ftar import FtarGroup
 
-from .faults import node_sdc_probe
 from .identity import ENV_CONFIG, ENV_INCARNATION, WorkerIdentity
-from .manager import Manager, Reduction
+from .manager import Manager
+from .observer import load_observer
 from .replay import replay_manager, replay_requested
+from .step import Reduction
 from .torch_hooks import (
     BackwardEnd,
     DdpExchange,
     FsdpExchange,
-    corrupt_gradients_while,
     reduce_gradient,
     scaler_found_inf,
 )
@@ -670,11 +670,11 @@ def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     group = (TorchReplicaGroup(identity) if identity.ranks > 1 or dist.is_initialized()
              else None)
     state = TorchTrainState(model, optimizer, group)
-    corrupting = node_sdc_probe(config.health, identity.node)
-    if corrupting is not None:
-        corrupt_gradients_while(model, corrupting)
+    observer = load_observer(config, identity)    # the no-op one unless a drill names one
+    observer.attach(model)
     replay = replay_requested()
-    manager = (Manager(config, identity, state, batch_size, group=group) if replay is None
+    manager = (Manager(config, identity, state, batch_size, group=group, observer=observer)
+               if replay is None
                else replay_manager(config, identity, state, batch_size, replay, group))
     state.install_hooks(manager)
     model.register_forward_pre_hook(_step_starter(manager), prepend=True)

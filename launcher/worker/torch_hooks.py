@@ -37,8 +37,8 @@ Every reduced gradient is checked for NaN/Inf (``reduce_gradient``). FTAR hands
 every member the same bytes, so every replica in the quorum finds the same
 non-finite average, discards the step and retries it: a NaN from one replica (bad
 hardware, silent data corruption) never reaches any replica's weights. One that
-comes back step after step uses up ``runtime.max_consecutive_failures``.
-(``corrupt_gradients_while`` makes such a node for tests: a bit of the loss
+comes back step after step uses up ``runtime.max_consecutive_failures``. (The
+tests make such a node through the step observer, ``observer``: a bit of the loss
 gradient flips on it, before anything is reduced.) With a ``GradScaler``
 (registered: ``manager.register_state("scaler", scaler)``) an Inf or NaN is what
 the scaler looks for: the average goes on to it, every replica's scaler finds the
@@ -87,8 +87,8 @@ from ft_launch.ftar import ReduceOp
 from ft_launch.ftar.torch_frontend import allreduce_tensor
 
 from .exchange import Job
-from .manager import Reduction
 from .protocol import NonFiniteGradientsError
+from .step import Reduction
 
 #: Manager.reduce_gradients: queue a reduction (and what runs once it is over).
 Submit = Callable[[Callable[[Reduction], None], Callable[[], None] | None], Job]
@@ -125,10 +125,8 @@ def reduce_gradient(reduction: Reduction, tensor: torch.Tensor, scaled: bool = F
     non-finite average fails the step on every replica alike, unless ``scaled``: the
     gradients of a ``GradScaler``, whose step skips it on every replica alike (module
     doc)."""
-    if reduction.corrupt:
-        tensor.view(-1)[0] = float("nan")
-    if reduction.scale != 1.0:          # fault injection: a loss spike (worker.faults)
-        tensor.mul_(reduction.scale)
+    if reduction.alter is not None:     # the step observer's (a drill's NaN or spike)
+        reduction.alter(tensor)
     own_finite = scaled or not reduction.contributes or math.isfinite(_norm(tensor))
     # counted before the reduction overwrites them; a pass only on this rare path
     own_bad = 0 if own_finite else int((~torch.isfinite(tensor)).sum())
@@ -178,31 +176,6 @@ def scaler_found_inf(optimizer: torch.optim.Optimizer, registered: Iterable[obje
     else:
         found = scaler._check_inf_per_device(optimizer)
     return any(bool(flag.item()) for flag in found.values())
-
-
-#: The integer view and the top exponent bit of each float format: flipped in 1.0 (the
-#: gradient of a loss, where backward starts) it gives +Inf in every one of them.
-_TOP_EXPONENT_BIT = {torch.float32: (torch.int32, 1 << 30), torch.bfloat16: (torch.int16, 1 << 14),
-                     torch.float16: (torch.int16, 1 << 14)}
-
-
-def corrupt_gradients_while(model: torch.nn.Module, corrupting: Callable[[], bool]) -> None:
-    """Silent data corruption on this node (``faults.node_sdc_probe``): while
-    ``corrupting()``, one bit of the gradient of the model's output flips before
-    backward goes on from it, so this rank's every local gradient is off before
-    FSDP's reduce-scatter (or DDP's all-reduce) mixes it into every rank's shard."""
-    def on_output(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if (isinstance(output, torch.Tensor) and output.requires_grad
-                and output.dtype in _TOP_EXPONENT_BIT and corrupting()):
-            output.register_hook(_flip_top_exponent_bit)
-    model.register_forward_hook(on_output)
-
-
-def _flip_top_exponent_bit(grad: torch.Tensor) -> torch.Tensor:
-    flipped = grad.clone()
-    kind, bit = _TOP_EXPONENT_BIT[grad.dtype]
-    flipped.view(-1)[:1].view(kind).bitwise_xor_(bit)
-    return flipped
 
 
 #: Elements summed at a time where float32 overflows (see ``_norm``).

@@ -176,6 +176,10 @@ def slurm_conf(base: Path, nodes: list[str], hooks: Hooks) -> str:
         "TreeWidth=65533",
         "InactiveLimit=0",
         "KillWait=2",
+        # A step's slurmstepd reports its end to slurmctld, retrying while slurmctld is
+        # busy; on a loaded lab host the retries outlasted the 60 s default, and Slurm
+        # drained a healthy node "Kill task failed" (a moved standby, in CI on 24.11).
+        "UnkillableStepTimeout=180",
         "MinJobAge=600",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",

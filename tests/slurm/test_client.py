@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ft_launch.errors import SlurmCommandError
+from ft_launch.slurm.client import SlurmCli
 from ft_launch.slurm.states import NodeState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
@@ -40,3 +41,20 @@ def test_reservation_create_grow_delete(slurm_cluster):
 def test_failures_are_recoverable_errors_with_the_command(slurm_cluster):
     with pytest.raises(SlurmCommandError, match="scontrol update nodename=no-such-node"):
         slurm_cluster.slurm.set_node_state("no-such-node", "drain", "x")
+
+
+def test_a_salloc_that_times_out_in_the_queue_leaves_no_job_behind(slurm_cluster):
+    """Killed while its request waits, salloc cannot withdraw it: the job would take
+    the node later for nobody (seen after a slurmctld stall). The client cancels it."""
+    node = slurm_cluster.nodes[-1]
+    slurm = slurm_cluster.slurm
+    holder = slurm.allocate(1, name="ftl-test-holder", nodelist=(node,), immediate_s=30)
+    impatient = SlurmCli(command_timeout=3, env=slurm.env, prefix=slurm.prefix)
+    try:
+        with pytest.raises(SlurmCommandError, match="did not answer within 3 s"):
+            impatient.allocate(1, name="ftl-test-queued", nodelist=(node,))
+        queue = slurm.run(["squeue", "-h", "-o", "%j %T"]).split("\n")
+        assert not [line for line in queue if line.startswith("ftl-test-queued")
+                    and line.split()[-1] in ("PENDING", "RUNNING")], queue
+    finally:
+        slurm.cancel_job(holder)

@@ -494,14 +494,17 @@ def pool_diagnosis(run: Training, node: str) -> str:
     Slurm's view of the jobs, nodes and reservation: a refill that never came, explained."""
     text = (run.run_dir / "controller.log").read_text(errors="replace")
     pool = [line for line in text.splitlines()
-            if re.search(r"pool|standby|salloc|reservation", line)]
+            if re.search(r"pool|standby|salloc|reservation|decided|action|drain", line)
+            and "launch: srun --overlap" not in line]
     logs = sorted((run.run_dir / "logs").glob(f"standby-{node}*"))
     standby = "".join(p.read_text(errors="replace")[-2000:] for p in logs) or "(no log)"
     slurm = [labcluster.ctl_run(argv, check=False, timeout=30).stdout
-             for argv in (["squeue", "-o", "%i %j %T %N %R"], ["sinfo", "-N", "-o", "%N %T"],
-                          ["scontrol", "show", "reservation"])]
-    return "\n".join(["controller, pool lines:", *pool[-40:], f"standby {node}:", standby,
-                      "Slurm:", *slurm])
+             for argv in (["squeue", "-o", "%i %j %T %N %R"],
+                          ["sinfo", "-N", "-o", "%N %T %E"], ["scontrol", "show", "reservation"])]
+    srun = "".join(f"{p.name}: {p.read_text(errors='replace')[-600:]}"
+                   for p in sorted((run.run_dir / "logs").glob("replica-*.srun.log")))
+    return "\n".join([f"standby {node}:", standby, "replicas' srun:", srun, "Slurm:", *slurm,
+                      "controller: decisions and pool lines:", *pool[-30:]])
 
 
 @pytest.mark.parametrize("path", ["expansion", "standby_job"])

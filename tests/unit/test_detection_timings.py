@@ -20,8 +20,8 @@ from ft_launch.launcher.controller.events import (
     StandbyPromoted,
 )
 from ft_launch.launcher.worker.events import StepCommitted, WorkerStarted
-from ft_launch.launcher.worker.faults import FaultInjector, FaultPoint, parse_faults
 from ft_launch.logs import FORMAT
+from tests.faults.injector import FaultInjector, FaultPoint, parse_faults
 from tests.scale.helpers import load_benchmark
 
 product_run = load_benchmark("product_run")
@@ -38,7 +38,7 @@ def log_injected(run_dir: Path, spec: str, steps: range, rank: int = 1) -> float
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(lambda record: created.append(record.created) or True)
-    logger = logging.getLogger("ft_launch.launcher.worker.faults")
+    logger = logging.getLogger("tests.faults.injector")
     logger.addHandler(handler)
     try:
         injector = FaultInjector(parse_faults(spec))
@@ -149,7 +149,7 @@ def test_a_hang_is_timed_to_the_diagnosis_of_its_replica(tmp_path):
     path = tmp_path / "logs" / f"replica-{REPLICA}.1.log"
     path.parent.mkdir(parents=True)
     # the deadlock itself cannot run here: its line as the injector writes it
-    record = logging.LogRecord("ft_launch.launcher.worker.faults", logging.WARNING, __file__, 0,
+    record = logging.LogRecord("tests.faults.injector", logging.WARNING, __file__, 0,
                                "injecting fault: %s at %s of step %d",
                                ("hang", "before_commit", 60), None)
     path.write_text(logging.Formatter(FORMAT).format(record) + "\n")

@@ -31,7 +31,7 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
 TORCH_C10D = "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
-FAULTS = str(REPO / "launcher" / "worker" / "faults.py")
+FAULTS = str(REPO / "tests" / "faults" / "injector.py")
 MANAGER = str(REPO / "launcher" / "worker" / "manager.py")
 
 
@@ -61,7 +61,7 @@ def test_the_deadlocked_rank_of_a_pair_and_its_node_are_named(tmp_path):
     stacks = {"n1a": {10: waiting_in_the_vote(10)}, "n1b": {11: deadlocked(11)}}
     report = build_report(request(tmp_path), processes, stacks, {}, 1.5)
     assert report.suspects == ("n1b",) and report.found.outliers == (1,)
-    assert report.summary() == "rank 1 on n1b, pid 11 in injected_deadlock (faults.py:121)"
+    assert report.summary() == "rank 1 on n1b, pid 11 in injected_deadlock (injector.py:121)"
     text = report_text(report)
     assert "* rank 1 on n1b" in text and "   rank 0 on n1a, pid 10 in commit" in text
     assert f"all_reduce ({TORCH_C10D}:3252)" in text     # the whole stack, library too
@@ -123,7 +123,7 @@ def test_pid_files_are_written_read_and_cleared_per_replica(tmp_path):
 
 DEADLOCKING_RANK = """
 import sys
-from ft_launch.launcher.worker.faults import FaultInjector, FaultPoint, parse_faults
+from tests.faults.injector import FaultInjector, FaultPoint, parse_faults
 injector = FaultInjector(parse_faults("hang@before_commit:4/1"))
 injector.check(FaultPoint.BEFORE_COMMIT, 3)
 print("step 4", flush=True)

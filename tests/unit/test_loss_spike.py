@@ -12,7 +12,6 @@ from ft_launch.health.anomaly import StepLossSpikes
 from ft_launch.launcher.controller import lifecycle, recovery, rollback
 from ft_launch.launcher.controller.events import LossSpiked
 from ft_launch.launcher.controller.run_state import ReplicaState, RunState
-from ft_launch.launcher.worker.faults import FaultAction, FaultInjector, FaultPoint, parse_faults
 from ft_launch.launcher.worker.protocol import (
     OtherHistoryError,
     QuorumView,
@@ -20,6 +19,7 @@ from ft_launch.launcher.worker.protocol import (
     plan_step,
 )
 from ft_launch.launcher.worker.rollbacks import Rollbacks, history_of
+from tests.faults.injector import FaultAction, FaultInjector, FaultPoint, parse_faults
 
 # --------------------------------------------------------------------------- detector
 

@@ -215,6 +215,32 @@ def test_a_reservation_pool_short_after_a_promotion_keeps_trying_to_grow(loop):
     assert tries() == 4                               # the pool is whole: no more tries
 
 
+def test_a_promotion_slurm_refuses_costs_the_node_not_the_run(loop):
+    """Expansion path: the standby job is cancelled, but the expansion's salloc times
+    out (a busy slurmctld, the node slow to end its standby job). The controller lives
+    on: the node is evicted with why, and with no standby left the replica is lost
+    while the others train on."""
+    timed_out = ("'salloc ... --dependency=expand:42 --immediate=30' did not answer within "
+                 "60 s")
+    run = loop(standby=(), job=JobConfig(replicas=3, standby=1,
+                                         standby_mode=StandbyMode.RESERVATION,
+                                         reservation="pool", promote_by=PromotionPath.EXPANSION),
+               grants=(("r1",), timed_out))
+    run.started(0, 1, 2)
+    run.commit(0, 1, 2)
+    run.poll()
+    run.slurm.fail_node("n1")
+    assert run.poll(NODE_CHECK_INTERVAL + 1) is None
+    drains = [c[1:] for c in run.slurm.calls if c[0] == "set_node_state"]
+    assert drains[0] == ("n1", "drain", "ft: Slurm reports DOWN+NOT_RESPONDING")
+    ((node, state, reason),) = drains[1:]
+    assert (node, state) == ("r1", "drain") and "promotion failed" in reason
+    assert ("cancel_job", "101") in run.slurm.calls       # its standby job, given back
+    assert run.state(1) is ReplicaState.FAILED
+    assert all(run.slurm.step_named(f"replica-{r}").running for r in (0, 2))
+    assert run.poll() is None
+
+
 def test_a_crash_is_retried_in_place_then_its_node_evicted(loop):
     run = loop()
     run.started(0, 1, 2)

@@ -7,7 +7,6 @@ import pytest
 
 from ft_launch.config import LrScaling
 from ft_launch.errors import FatalError, RecoverableError, UsageError
-from ft_launch.launcher.worker.faults import FaultAction, FaultInjector, FaultPoint, parse_faults
 from ft_launch.launcher.worker.ledger import DataLedger
 from ft_launch.launcher.worker.lr import lr_factor
 from ft_launch.launcher.worker.protocol import (
@@ -17,6 +16,7 @@ from ft_launch.launcher.worker.protocol import (
     StepKind,
     plan_step,
 )
+from tests.faults.injector import FaultAction, FaultInjector, FaultPoint, parse_faults
 
 
 def endpoints(replica: int, ranks: int = 2) -> str:
@@ -101,7 +101,7 @@ def test_a_data_fault_is_handed_to_the_caller_once():
 
 
 def test_a_fault_from_a_step_on_fires_every_step_on_its_node_only(monkeypatch):
-    from ft_launch.launcher.worker.faults import ENV_INJECT
+    from tests.faults.injector import ENV_INJECT
 
     monkeypatch.setenv(ENV_INJECT, "nan@gradients:30+@n3")
     assert FaultInjector.from_env(0, "n1").pending == []
@@ -114,7 +114,7 @@ def test_a_fault_from_a_step_on_fires_every_step_on_its_node_only(monkeypatch):
 
 
 def test_a_fault_for_one_rank_fires_on_that_rank_only(monkeypatch):
-    from ft_launch.launcher.worker.faults import ENV_INJECT, FaultInjector
+    from tests.faults.injector import ENV_INJECT, FaultInjector
 
     monkeypatch.setenv(ENV_INJECT, "raise@start_step:3/1,stop@after_commit:4")
     assert [f.point for f in FaultInjector.from_env(0).pending] == [FaultPoint.AFTER_COMMIT]

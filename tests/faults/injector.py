@@ -1,4 +1,9 @@
-"""Scripted fault injection for tests and the fault run (never set in production).
+"""Scripted fault injection for the tests, the demo and the benchmarks (lab tooling:
+no product module imports it). A worker loads it as its step observer
+(``ft_launch.launcher.worker.observer``) when ``FTL_WORKER_OBSERVER`` names this file
+(``tests.faults.INJECTOR``; the tests set it for every worker they start, the demo
+and the benchmarks where they inject), and then fires what ``FTL_WORKER_INJECT``
+asks for at the step protocol's points (``FaultObserver``):
 
 ``FTL_WORKER_INJECT="kill@mid_allreduce:7,stop@after_commit:12"`` makes this worker
 SIGKILL itself in the middle of step 7's gradient all-reduce (after the
@@ -22,8 +27,11 @@ corrupts whatever trains on n3 from step 30 on, and stops once n3 is replaced.
 A node's own silent data corruption comes from the simulated GPU backend instead
 (``ft_launch.health.simulation``: ``{"sdc": true}`` in the node's fault file, switched on and
 off while the run goes on): ``node_sdc_probe`` says whether it is on, and
-``torch_hooks.corrupt_gradients_while`` flips a bit of the gradient backward starts
-from on that node, in training and in a replay alike (the node is bad, not the step).
+``corrupt_gradients_while`` flips a bit of the gradient backward starts from on that
+node, in training and in a replay alike (the node is bad, not the step).
+
+This file imports only ``ft_launch`` (and torch where a model is hooked): a worker
+loads it by its path, without the checkout on its import path.
 """
 
 from __future__ import annotations
@@ -36,10 +44,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ft_launch.config import HealthConfig
+from ft_launch.config import Config, HealthConfig
 from ft_launch.env import ENV_INJECT
 from ft_launch.errors import ConfigError, UsageError
+from ft_launch.launcher.worker.identity import WorkerIdentity
+from ft_launch.launcher.worker.observer import AlterGradients, StepObserver
 
 log = logging.getLogger(__name__)
 #: what ``spike@loss`` multiplies a step's loss and gradients by: far above any
@@ -150,7 +161,6 @@ class FaultInjector:
                 raise RuntimeError(f"injected fault at {point.value} of step {step}")
         return corrupt
 
-
     def _mark(self, fault: InjectedFault) -> None:
         if self.fired is None:
             return
@@ -190,3 +200,83 @@ def node_sdc_probe(health: HealthConfig, node: str) -> Callable[[], bool] | None
                 log.warning("fault file of %s ignored: %s", node, error)
             return False
     return corrupting
+
+
+def corrupt_gradients_while(model: Any, corrupting: Callable[[], bool]) -> None:
+    """Silent data corruption on this node (``node_sdc_probe``): while
+    ``corrupting()``, one bit of the gradient of the model's output (a torch module's)
+    flips before backward goes on from it, so this rank's every local gradient is off
+    before FSDP's reduce-scatter (or DDP's all-reduce) mixes it into every rank's shard."""
+    import torch  # here: the injector's other users (unit tests, the demo) need no torch
+
+    # The integer view and the top exponent bit of each float format: flipped in 1.0
+    # (the gradient of a loss, where backward starts) it gives +Inf in every one of them.
+    top_exponent_bit = {torch.float32: (torch.int32, 1 << 30),
+                        torch.bfloat16: (torch.int16, 1 << 14),
+                        torch.float16: (torch.int16, 1 << 14)}
+
+    def flip(grad: torch.Tensor) -> torch.Tensor:
+        flipped = grad.clone()
+        kind, bit = top_exponent_bit[grad.dtype]
+        flipped.view(-1)[:1].view(kind).bitwise_xor_(bit)
+        return flipped
+
+    def on_output(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if (isinstance(output, torch.Tensor) and output.requires_grad
+                and output.dtype in top_exponent_bit and corrupting()):
+            output.register_hook(flip)
+    model.register_forward_hook(on_output)
+
+
+class FaultObserver(StepObserver):
+    """The drills' step observer: ``injector``'s faults at the step protocol's points,
+    and the node's simulated silent data corruption (``corrupting``, if simulated)."""
+
+    def __init__(self, injector: FaultInjector,
+                 corrupting: Callable[[], bool] | None = None) -> None:
+        self.injector = injector
+        self.corrupting = corrupting
+        self._spiked: int | None = None    # the step whose loss and gradients spike
+
+    def attach(self, model: Any) -> None:
+        if self.corrupting is not None:
+            corrupt_gradients_while(model, self.corrupting)
+
+    def step_started(self, step: int) -> None:
+        self.injector.check(FaultPoint.START_STEP, step)
+        self._spiked = step if self.injector.check(FaultPoint.LOSS, step) else None
+
+    def gradients(self, step: int) -> AlterGradients | None:
+        nan = self.injector.check(FaultPoint.GRADIENTS, step)
+        scale = SPIKE_SCALE if self._spiked == step else 1.0
+        if not nan and scale == 1.0:
+            return None
+
+        def alter(tensor: Any) -> None:
+            if nan:                     # into this rank's contribution, before averaging
+                tensor.view(-1)[0] = float("nan")
+            if scale != 1.0:            # the spike's gradients, as its loss
+                tensor.mul_(scale)
+        return alter
+
+    def mid_allreduce(self, step: int) -> None:
+        self.injector.check(FaultPoint.MID_ALLREDUCE, step)
+
+    def before_commit(self, step: int) -> None:
+        self.injector.check(FaultPoint.BEFORE_COMMIT, step)
+
+    def after_commit(self, step: int) -> None:
+        self.injector.check(FaultPoint.AFTER_COMMIT, step)
+
+    def loss(self, step: int, loss: float) -> float:
+        return loss * SPIKE_SCALE if self._spiked == step else loss
+
+
+def step_observer(config: Config, identity: WorkerIdentity) -> FaultObserver:
+    """What ``FTL_WORKER_OBSERVER=<this file>`` makes of a worker: the faults of
+    ``FTL_WORKER_INJECT`` for its rank and node, each fired once per run (markers under
+    the run directory), and its node's simulated corruption."""
+    tag = f"replica-{identity.replica_id}-rank-{identity.rank}"
+    return FaultObserver(FaultInjector.from_env(identity.rank, identity.node,
+                                                fired=identity.run_dir / "faults" / tag),
+                         node_sdc_probe(config.health, identity.node))
