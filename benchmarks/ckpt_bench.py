@@ -41,6 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from record import write_json
+
 from ft_launch.ckpt.backup import BackupSender, BackupStore
 from ft_launch.ckpt.fetch import Peer, fetch_state, push_backup
 from ft_launch.ckpt.manifest import add_checksums
@@ -799,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     print_overhead(overhead, rates)
     print_table(summary, details)
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "details": details}, indent=2))
+        write_json(args.json, {"summary": summary, "details": details})
     return 0
 
 
@@ -842,7 +844,7 @@ def backup_main(args: argparse.Namespace, trainer: Trainer) -> int:
                "backup_every_resident": by_every_resident, "push_cpu": push}
     print(json.dumps(summary, indent=2))
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "details": details}, indent=2))
+        write_json(args.json, {"summary": summary, "details": details})
     return 0
 
 

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from record import write_json
 
 from ft_launch.env import ENV_OBSERVER
 from ft_launch.launcher.worker.audit import AuditError, check_exactly_once
@@ -154,7 +155,7 @@ def main() -> int:
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary}, indent=2) + "\n")
+        write_json(args.json, {"summary": summary})
     return 0
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from record import write_json
 
 MiB = 1 << 20
 
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summary(cases)
     print(_table(cases, summary))
     if args.json:
-        Path(args.json).write_text(json.dumps({"cases": cases, "summary": summary}, indent=2))
+        write_json(args.json, {"cases": cases, "summary": summary})
     return 0
 
 

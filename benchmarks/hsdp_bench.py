@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO))
 
 from hsdp import core
 from hsdp.core import ARMS, FTL_ARMS, Arm, RunResult, SizePlan
+from record import write_json
 
 log = logging.getLogger("hsdp_bench")
 
@@ -304,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(core.table(per_size, summary), file=sys.stderr)
     print(text)
     if args.json:
-        args.json.write_text(text + "\n")
+        write_json(args.json, output)
     return 0
 
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -61,6 +60,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from record import write_json
 
 from ft_launch.config import QuorumConfig
 from ft_launch.errors import RecoverableError
@@ -485,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                    "two_replica_survivor_stall_s": round(stall["stall_s"], 3),
                    "two_replica_survivor_stall_bound_s": round(stall["bound_s"], 3),
                    "standing_round": standing, "full_round": full}
-        args.json.write_text(json.dumps({"cases": cases, "summary": summary}, indent=2) + "\n")
+        write_json(args.json, {"cases": cases, "summary": summary})
     return 0
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from record import write_json
+
 from ft_launch.launcher.reporting.runlog import commits
 from ft_launch.launcher.worker.events import StepCommitted
 from tests.cluster import labcluster
@@ -121,21 +123,25 @@ def run_ftlaunch(out: Path, args: argparse.Namespace) -> dict[str, float]:
 def run_requeue(out: Path, args: argparse.Namespace) -> dict[str, float]:
     run_dir = out / "requeue-run"
     script = out / "requeue.sbatch"
+    # what etc/examples/train.sbatch trains: 2 FSDP2 ranks per replica, bf16
     train = shlex.join([sys.executable, str(TRAIN), "--steps", str(args.steps), "--size",
-                        "small", "--threads", "1"])
+                        "small", "--threads", "1", "--parallel", "fsdp", "--param-dtype",
+                        "bf16"])
     script.write_text("\n".join([
         "#!/bin/bash",
         "set -euo pipefail",
-        f"export FTL_WORKER_NUM_REPLICAS=3 FTL_WORKER_RUN_DIR={run_dir}",
-        "export FTL_WORKER_RANK=0 FTL_WORKER_RANKS=1  # each task is a whole replica",
+        f"export FTL_WORKER_NUM_REPLICAS=3 FTL_WORKER_RUN_DIR={run_dir} FTL_WORKER_RANKS=2",
         f"export FTL_WORKER_SECRET={'ab' * 32} FTL_CKPT_PERSIST_EVERY={args.persist_every}",
         *[f"export {item}" for item in FAST],
         # Plain data parallelism: every replica is needed for a step, and survivors wait
         # (like a hung collective) until Slurm kills and requeues the job.
         "export FTL_QUORUM_MIN_REPLICAS=3 FTL_RUNTIME_MAX_CONSECUTIVE_FAILURES=100000",
+        # each node a replica: a torch world of its two tasks
+        "export WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500",
         # one step for all replicas, like torchrun: one failure ends (and requeues) the job
-        "exec srun --kill-on-bad-exit=1 -N3 -n3 --ntasks-per-node=1 bash -c "
-        f"'FTL_WORKER_REPLICA_ID=$SLURM_PROCID exec {train}'", ""]))
+        ("exec srun --kill-on-bad-exit=1 -N3 -n6 --ntasks-per-node=2 bash -c "
+         "'export FTL_WORKER_REPLICA_ID=$SLURM_NODEID FTL_WORKER_RANK=$SLURM_LOCALID "
+         f"RANK=$SLURM_LOCALID LOCAL_RANK=$SLURM_LOCALID; exec {train}'"), ""]))
     job = sbatch([f"--chdir={REPO}", f"--output={out}/requeue-%j.out", "--requeue", "-N3",
                   str(script)])
     return kill_and_measure(job, run_dir, args)
@@ -189,7 +195,7 @@ def main() -> int:
         print(f"{key:24s} {ftl[key]:>10} {requeue[key]:>10}")
     print(f"no-progress ratio (requeue / ft-launch): {summary['ratio']}x")
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary}, indent=2) + "\n")
+        write_json(args.json, {"summary": summary})
     return 0
 
 

@@ -34,7 +34,7 @@ from typing import Any, Self
 from ft_launch.ckpt.fetch import Peer
 from ft_launch.ckpt.placement import route_backups
 from ft_launch.config import Config, IdenticalStart
-from ft_launch.errors import FatalError, FtError, RecoverableError
+from ft_launch.errors import FatalError, FtError, RecoverableError, UsageError
 from ft_launch.events import EventLog
 from ft_launch.ftar import FtarGroup, ReduceOp
 
@@ -437,6 +437,12 @@ class Manager:
         """Two-phase commit inside the replica: every rank's all-reduce (and fetch) must
         have succeeded; then the optimizer step, the ledger, the audit, the snapshot.
         ``loss`` (this rank's, optional) goes into the commit event, for the timeline."""
+        if self._step is not None and not self._step.open:
+            # a second commit would step the optimizer again and count the step's
+            # samples twice: the next batch silently skipped
+            raise UsageError(f"commit() called twice for step {self._step.plan.step}: "
+                             "start_step() begins the next step (FtOptimizer.step and a "
+                             "forward of the model start it by themselves)")
         self.allreduce_gradients()
         plan = self.plan
         step = self._step

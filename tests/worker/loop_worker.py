@@ -201,6 +201,8 @@ def ft(args: argparse.Namespace) -> None:
                 steps += 1
                 if optimizer.step(loss=loss.item()):
                     commits += 1
+                    if args.commit_again:
+                        manager.commit()
                     records.step(step=offset + manager.plan.step, lr=used[-1],
                                  params=params_digest(model))
                 if scheduler is not None:
@@ -228,6 +230,8 @@ def main() -> int:
     parser.add_argument("--schedule", choices=("lambda", "manual"), default="lambda")
     parser.add_argument("--zero-grad", choices=("start", "end"), default="start")
     parser.add_argument("--rng", action="store_true", help="perturb inputs by a registered RNG")
+    parser.add_argument("--commit-again", action="store_true",
+                        help="ft: call manager.commit() again after each committed step")
     parser.add_argument("--checkpoint", type=Path, help="the script's own checkpoint: native "
                         "writes it after --save-at, ft resumes from it")
     parser.add_argument("--save-at", type=int)

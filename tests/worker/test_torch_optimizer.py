@@ -23,7 +23,7 @@ from ft_launch.launcher.worker.audit import check_exactly_once
 from ft_launch.launcher.worker.local import LocalJob
 from tests.waiting import patience
 
-from .harness import TEST_CONFIG, restart_and_end_once_caught_up
+from .harness import TEST_CONFIG, logs_of_a_failed_run, restart_and_end_once_caught_up
 
 torch = pytest.importorskip("torch")
 
@@ -119,6 +119,16 @@ def test_a_loop_with_a_schedule_trains_as_natively_bit_for_bit(tmp_path, schedul
         assert seen["calls"] == {"pre": tries, "post": tries}
         assert not [w for w in seen["warnings"] if "lr_scheduler" in w], seen["warnings"]
     assert final(out, "ft-r0")["state"] == final(out, "ft-r1")["state"]
+
+
+def test_a_second_commit_of_one_step_is_refused(tmp_path):
+    """It would step the optimizer again and count the step's samples twice (the next
+    batch skipped without a word): it raises, naming the fix, after the first."""
+    out = tmp_path / "out"
+    job = ft_job(tmp_path / "run", out, 2, "--commit-again")
+    for replica, log in enumerate(logs_of_a_failed_run(job)):
+        assert "UsageError" in log and "commit() called twice for step 0" in log, log[-3000:]
+        assert [e.step for e in job.committed(replica)] == [0]
 
 
 def test_a_script_resumes_from_its_own_checkpoint_through_load_state_dict(tmp_path):
