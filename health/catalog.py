@@ -58,7 +58,7 @@ def _gpu_count(name: str, ctx: CheckContext, params: gpu_checks.GpuCountParams) 
 
 def _alignment(name: str, ctx: CheckContext, params: AlignmentParams) -> CheckResult:
     snapshot = ctx.gpu_snapshot()
-    corrupt = ctx.faults.sdc or any(g.corrupts_compute for g in snapshot.devices)
+    corrupt = ctx.host.computes_wrong()
     devices = params.devices or (("all",) if snapshot.backend == "nvml" and snapshot.count
                                  else ("cpu",))
     try:

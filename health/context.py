@@ -1,13 +1,12 @@
-"""What a check may look at: the node, the job (if any), the GPU backend, the
-simulated faults, and the roots of /proc and /sys (tests point them elsewhere)."""
+"""What a check may look at: the node, the job (if any), the GPU backend and the
+host's facts (``HostFacts``: /proc, /sys, filesystems, network)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .gpu_facts import GpuBackend, GpuSnapshot, NoGpuBackend
-from .simulation import SimulatedFaults
+from .host_facts import HostFacts
 
 
 @dataclass(frozen=True)
@@ -22,13 +21,14 @@ class JobFacts:
 
 @dataclass
 class CheckContext:
+    """Everything one profile run judges. ``host`` and ``gpu_backend`` are where facts
+    come from (the settings choose the real ones or the simulated ones together)."""
+
     node: str
     gpu_backend: GpuBackend = field(default_factory=NoGpuBackend)
     expected_gpus: int = 0
-    faults: SimulatedFaults = field(default_factory=SimulatedFaults)
+    host: HostFacts = field(default_factory=HostFacts)
     job: JobFacts | None = None
-    proc_root: Path = Path("/proc")
-    sys_root: Path = Path("/sys")
     _snapshot: GpuSnapshot | None = field(default=None, init=False, repr=False)
 
     def gpu_snapshot(self) -> GpuSnapshot:

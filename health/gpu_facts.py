@@ -64,7 +64,6 @@ class GpuFacts:
     nvlink_up: tuple[bool, ...] = ()        # one entry per link the GPU has
     nvlink_errors: int | None = None        # replay + recovery + CRC counters, all links
     recovery_action: int | None = None
-    corrupts_compute: bool = False          # simulation only: silent data corruption
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Host checks: memory and swap, disk space, read-only filesystems, /dev/shm,
 required mounts, load, leftover and zombie processes, clock.
 
-Each reads the facts it needs (through the context, so simulated faults and test
-roots apply) and judges them in a few lines.
+Each asks the context's ``HostFacts`` for the facts it needs and judges them in a
+few lines.
 """
 
 from __future__ import annotations
@@ -72,25 +72,9 @@ class ClockParams:
     min_year: int = 2024                 # an earlier clock means a dead RTC
 
 
-def meminfo(proc_root: Path) -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    values = {}
-    for line in (proc_root / "meminfo").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return values
-
-
 def memory(name: str, ctx: CheckContext, params: MemoryParams) -> CheckResult:
-    info = meminfo(ctx.proc_root)
-    available = ctx.faults.mem_available_bytes
-    if available is None:
-        available = info.get("MemAvailable", info.get("MemFree", 0))
-    swap_used = ctx.faults.swap_used_bytes
-    if swap_used is None:
-        swap_used = info.get("SwapTotal", 0) - info.get("SwapFree", 0)
+    available = ctx.host.mem_available_bytes()
+    swap_used = ctx.host.swap_used_bytes()
     evidence = {"available": available, "swap_used": swap_used}
     if available < params.min_available_bytes:
         return failed(name, f"memory available {format_bytes(available)}"
@@ -100,18 +84,11 @@ def memory(name: str, ctx: CheckContext, params: MemoryParams) -> CheckResult:
     return passed(name, **evidence)
 
 
-def free_bytes(ctx: CheckContext, path: str) -> int:
-    if path in ctx.faults.disk_free_bytes:
-        return ctx.faults.disk_free_bytes[path]
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
-
-
 def disk(name: str, ctx: CheckContext, params: DiskParams) -> CheckResult:
     problems, evidence = [], {}
     for path in params.paths:
         try:
-            free = free_bytes(ctx, path)
+            free = ctx.host.disk_free_bytes(path)
         except OSError as exc:
             problems.append(f"disk {path} unusable: {exc.strerror}")
             continue
@@ -126,7 +103,7 @@ def writable(name: str, ctx: CheckContext, params: WritableParams) -> CheckResul
     problems = []
     for path in params.paths:
         try:
-            readonly = path in ctx.faults.readonly or bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+            readonly = ctx.host.readonly(path)
         except OSError as exc:
             problems.append(f"{path} unusable: {exc.strerror}")
             continue
@@ -138,8 +115,8 @@ def writable(name: str, ctx: CheckContext, params: WritableParams) -> CheckResul
 def shm(name: str, ctx: CheckContext, params: ShmParams) -> CheckResult:
     path = params.path
     try:
-        free = free_bytes(ctx, path)
-        readonly = path in ctx.faults.readonly or not os.access(path, os.W_OK)
+        free = ctx.host.disk_free_bytes(path)
+        readonly = not ctx.host.writable(path)
     except OSError as exc:
         return failed(name, f"{path} unusable: {exc.strerror}")
     if readonly:
@@ -152,12 +129,12 @@ def shm(name: str, ctx: CheckContext, params: ShmParams) -> CheckResult:
 
 def mounts(name: str, ctx: CheckContext, params: MountParams) -> CheckResult:
     missing = [f"mount {path} missing" for path in params.required
-               if path in ctx.faults.missing_mounts or not os.path.ismount(path)]
+               if not ctx.host.is_mount(path)]
     return from_problems(name, missing)
 
 
 def load(name: str, ctx: CheckContext, params: LoadParams) -> CheckResult:
-    fields = (ctx.proc_root / "loadavg").read_text().split()
+    fields = (ctx.host.proc_root / "loadavg").read_text().split()
     per_cpu = float(fields[0]) / (os.cpu_count() or 1)
     if per_cpu > params.max_load_per_cpu:
         return failed(name, f"load {per_cpu:.1f}/cpu>{params.max_load_per_cpu:g}",
@@ -210,14 +187,14 @@ def _lineage(table: dict[int, int], pid: int) -> set[int]:
 def leftover_processes(name: str, ctx: CheckContext, params: LeftoverParams) -> CheckResult:
     if ctx.job is None:
         return skipped(name, "no job")
-    procs = list(_processes(ctx.proc_root))
+    procs = list(_processes(ctx.host.proc_root))
     parents = {pid: ppid for pid, _, ppid in procs}
     ours = _lineage(parents, os.getpid())
     leftovers = []
     for pid, state, _ in procs:
         if pid in ours or state == "Z":
             continue
-        job = _job_of(ctx.proc_root, pid)
+        job = _job_of(ctx.host.proc_root, pid)
         if job is None:
             continue
         if (ctx.job.ended and job == ctx.job.job_id) or \
@@ -230,7 +207,7 @@ def leftover_processes(name: str, ctx: CheckContext, params: LeftoverParams) -> 
 
 
 def zombies(name: str, ctx: CheckContext, params: ZombieParams) -> CheckResult:
-    count = sum(1 for _, state, _ in _processes(ctx.proc_root) if state == "Z")
+    count = sum(1 for _, state, _ in _processes(ctx.host.proc_root) if state == "Z")
     if count > params.max_zombies:
         return failed(name, f"zombies {count}>{params.max_zombies}", zombies=count)
     return passed(name, zombies=count)

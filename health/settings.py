@@ -38,9 +38,10 @@ from ft_launch.errors import ConfigError
 from .catalog import CATALOG, bind, default_params
 from .context import CheckContext, JobFacts
 from .gpu_facts import GpuBackend, NoGpuBackend
+from .host_facts import HostFacts
 from .profile import BoundCheck, Profile
 from .profiles import BUILTIN, ProfileSpec
-from .simulation import SimulatedFaults, SimulatedNvml, fault_file
+from .simulation import SimulatedHostFacts, SimulatedNvml, fault_file
 
 __all__ = [
     "DEFAULT_PATH",
@@ -89,9 +90,12 @@ class HealthSettings:
     def context(self, node: str, job: JobFacts | None = None,
                 backend: GpuBackend | None = None) -> CheckContext:
         backend = backend or self.gpu_backend(node)
-        faults = backend.faults() if isinstance(backend, SimulatedNvml) else SimulatedFaults()
+        # A simulated node is simulated whole: its fault file changes its host facts as
+        # it changes its GPUs (read once per context, as the GPU snapshot is taken once).
+        host = SimulatedHostFacts(faults=backend.faults()) if isinstance(backend, SimulatedNvml) \
+            else HostFacts()
         return CheckContext(node=node, gpu_backend=backend, expected_gpus=self.node.gpus_per_node,
-                            faults=faults, job=job)
+                            host=host, job=job)
 
 
 # --------------------------------------------------------------------------- loading

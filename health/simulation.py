@@ -1,4 +1,7 @@
-"""``SimulatedNvml``: the GPU backend for machines without GPUs, with injectable faults.
+"""The simulated node, for machines without GPUs and for fault-injection tests: the
+GPU backend ``SimulatedNvml`` and the host facts ``SimulatedHostFacts``, both
+changed by the node's injected faults. This is the one place faults are injected
+into the health checks; the checks themselves only read facts.
 
 Faults live in a JSON file per node, ``<sim_fault_dir>/<node>.json``, re-read at
 every snapshot, so a test can inject a fault for one node of a cluster (the
@@ -18,6 +21,9 @@ agent runs. The file holds a list of fault records (or ``{"gpus": N, "faults":
   ``{"link_down": "eth0"}``, ``{"ib_port_down": "mlx5_0/1"}``,
   ``{"unreachable": "host:port"}``, ``{"sdc": true}``.
 
+GPU records change the GPU snapshot, node records the host facts; ``sdc`` (of a
+GPU or of the node) makes the alignment run compute wrong results.
+
 Unknown keys are errors that list the valid ones: a typo must not look healthy.
 """
 
@@ -32,6 +38,7 @@ from typing import Any
 from ft_launch.errors import ConfigError
 
 from .gpu_facts import RECOVERY_ACTIONS, THROTTLE_BITS, GpuFacts, GpuSnapshot
+from .host_facts import HostFacts, IbPort
 
 GPU_FAULTS: dict[str, type] = {
     "xid": int, "lost": bool, "ecc_uncorrected": int, "remap_pending": bool,
@@ -182,8 +189,7 @@ def faulty_gpu(index: int, fault: Mapping[str, Any]) -> GpuFacts:
         pcie_gen=fault.get("pcie_gen", gpu.pcie_gen),
         nvlink_up=tuple(link not in down for link in range(HEALTHY_NVLINKS)),
         nvlink_errors=fault.get("nvlink_errors", 0),
-        recovery_action=action[fault.get("recovery_action", "none")],
-        corrupts_compute=bool(fault.get("sdc", False)))
+        recovery_action=action[fault.get("recovery_action", "none")])
 
 
 class SimulatedNvml:
@@ -208,3 +214,55 @@ class SimulatedNvml:
 
     def close(self) -> None:
         return None
+
+
+@dataclass(frozen=True)
+class SimulatedHostFacts(HostFacts):
+    """The real host's facts, except where the node's injected ``faults`` say
+    otherwise. The settings read the fault file into ``faults`` once per check
+    context, so one profile run judges one set of faults."""
+
+    faults: SimulatedFaults = field(default_factory=SimulatedFaults)
+
+    def mem_available_bytes(self) -> int:
+        if self.faults.mem_available_bytes is not None:
+            return self.faults.mem_available_bytes
+        return super().mem_available_bytes()
+
+    def swap_used_bytes(self) -> int:
+        if self.faults.swap_used_bytes is not None:
+            return self.faults.swap_used_bytes
+        return super().swap_used_bytes()
+
+    def disk_free_bytes(self, path: str) -> int:
+        if path in self.faults.disk_free_bytes:
+            return self.faults.disk_free_bytes[path]
+        return super().disk_free_bytes(path)
+
+    # An injected read-only path is answered before the real one is looked at, so
+    # it is read-only even where the real path is missing.
+    def readonly(self, path: str) -> bool:
+        return path in self.faults.readonly or super().readonly(path)
+
+    def writable(self, path: str) -> bool:
+        return path not in self.faults.readonly and super().writable(path)
+
+    def is_mount(self, path: str) -> bool:
+        return path not in self.faults.missing_mounts and super().is_mount(path)
+
+    def link_up(self, iface: str) -> bool:
+        return iface not in self.faults.links_down and super().link_up(iface)
+
+    def ib_ports(self) -> list[IbPort]:
+        # A port taken down keeps its name and rate; its physical state is not simulated.
+        return [replace(port, state="1: DOWN", phys_state="")
+                if port.name in self.faults.ib_ports_down else port
+                for port in super().ib_ports()]
+
+    def reachable(self, target: str, timeout: float) -> str | None:
+        if target in self.faults.unreachable:
+            return "simulated"
+        return super().reachable(target, timeout)
+
+    def computes_wrong(self) -> bool:
+        return self.faults.sdc

@@ -12,7 +12,13 @@ from ft_launch.health.catalog import CATALOG, bind, default_params
 from ft_launch.health.context import CheckContext
 from ft_launch.health.gpu_facts import NoGpuBackend
 from ft_launch.health.result import CheckStatus
-from ft_launch.health.simulation import SimulatedNvml, fault_file, load_faults, parse_faults
+from ft_launch.health.simulation import (
+    SimulatedHostFacts,
+    SimulatedNvml,
+    fault_file,
+    load_faults,
+    parse_faults,
+)
 
 GPUS = 8
 
@@ -22,7 +28,7 @@ def run_check(name, faults, gpus=GPUS, tmp_path=None, params=None):
     path.write_text(json.dumps(faults))
     backend = SimulatedNvml(gpus, path)
     ctx = CheckContext(node="n1", gpu_backend=backend, expected_gpus=gpus,
-                       faults=backend.faults())
+                       host=SimulatedHostFacts(faults=backend.faults()))
     return bind(name, params or default_params(name))(ctx)
 
 

@@ -1,6 +1,7 @@
 """Host and network checks against test roots, simulated faults and real processes
 and sockets on loopback; the kernel-log XID parser."""
 
+import json
 import os
 import socket
 import subprocess
@@ -9,16 +10,22 @@ import sys
 import pytest
 
 from ft_launch.health import host_checks, network_checks, xid
+from ft_launch.health.catalog import bind
 from ft_launch.health.context import CheckContext, JobFacts
+from ft_launch.health.host_facts import HostFacts
 from ft_launch.health.result import CheckStatus
-from ft_launch.health.simulation import parse_faults
+from ft_launch.health.settings import parse_settings
+from ft_launch.health.simulation import SimulatedHostFacts, parse_faults
 
 GiB = 1 << 30
 
 
 def ctx(tmp_path=None, faults=(), **kw):
-    extra = {"proc_root": tmp_path, "sys_root": tmp_path} if tmp_path else {}
-    return CheckContext(node="n1", faults=parse_faults(list(faults)), **extra, **kw)
+    """The real host's facts (/proc and /sys under ``tmp_path``), or with ``faults`` injected."""
+    roots = {"proc_root": tmp_path, "sys_root": tmp_path} if tmp_path else {}
+    host = SimulatedHostFacts(faults=parse_faults(list(faults)), **roots) if faults \
+        else HostFacts(**roots)
+    return CheckContext(node="n1", host=host, **kw)
 
 
 def write_meminfo(root, available_kb, swap_total_kb=0, swap_free_kb=0):
@@ -167,6 +174,65 @@ def test_peers_reachable_on_loopback():
         result = network_checks.peers("peers", ctx(), params)
     assert result.status is CheckStatus.FAIL
     assert result.reason.startswith(f"peer {dead} unreachable")
+
+
+@pytest.fixture
+def listening():
+    """``host:port`` of a loopback socket that accepts connections."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+
+
+NODE_FAULTS = [  # (fault record, check, its parameters, the reason it gives)
+    ({"mem_available_bytes": 1}, "memory", host_checks.MemoryParams(),
+     "memory available 1B<512MiB"),
+    ({"swap_used_bytes": 1 << 51}, "memory", host_checks.MemoryParams(max_swap_used_bytes=1 << 50),
+     "swap used 2048TiB"),
+    ({"disk_free_bytes": 0, "path": "/"}, "disk", host_checks.DiskParams(paths=("/",),
+                                                                         min_free_bytes=1),
+     "disk / free 0B<1B"),
+    ({"readonly": "/tmp"}, "writable", host_checks.WritableParams(paths=("/tmp",)),
+     "/tmp read-only"),
+    ({"readonly": "/dev/shm"}, "shm", host_checks.ShmParams(min_free_bytes=1),
+     "/dev/shm not writable"),
+    ({"missing_mount": "/proc"}, "mounts", host_checks.MountParams(required=("/proc",)),
+     "mount /proc missing"),
+    ({"link_down": "lo"}, "links", network_checks.LinkParams(interfaces=("lo",)), "lo down"),
+]
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/class/net/lo"), reason="no loopback in sysfs")
+@pytest.mark.parametrize("fault, check, params, reason", NODE_FAULTS,
+                         ids=[next(iter(f)) for f, *_ in NODE_FAULTS])
+def test_a_simulated_node_fault_reaches_its_check(tmp_path, fault, check, params, reason):
+    """Through the admin settings, as the hooks and the agent run them: the node's fault
+    file changes what the check sees on a simulated node, and only there."""
+    simulated = parse_settings({"health": {"backend": "simulated",
+                                           "sim_fault_dir": str(tmp_path)}}, "t")
+    real = parse_settings({"health": {"backend": "none", "sim_fault_dir": str(tmp_path)}}, "t")
+    run = bind(check, params)
+    assert run(simulated.context("n1")).status is CheckStatus.PASS   # this host is healthy
+    (tmp_path / "n1.json").write_text(json.dumps([fault]))
+    result = run(simulated.context("n1"))
+    assert (result.status, result.reason) == (CheckStatus.FAIL, reason)
+    assert run(simulated.context("n2")).status is CheckStatus.PASS   # another node's file
+    assert run(real.context("n1")).status is CheckStatus.PASS        # not a simulated node
+
+
+def test_simulated_unreachable_peer_and_silent_corruption(tmp_path, listening):
+    settings = parse_settings({"health": {"backend": "simulated",
+                                          "sim_fault_dir": str(tmp_path)}}, "t")
+    peers = bind("peers", network_checks.PeerParams(targets=(listening,)))
+    healthy = settings.context("n1")
+    assert peers(healthy).status is CheckStatus.PASS and not healthy.host.computes_wrong()
+    (tmp_path / "n1.json").write_text(json.dumps([{"unreachable": listening}, {"sdc": True}]))
+    faulty = settings.context("n1")
+    assert peers(faulty).reason == f"peer {listening} unreachable (simulated)"
+    assert faulty.host.computes_wrong()
+    (tmp_path / "n1.json").write_text(json.dumps([{"gpu": 0, "sdc": True}]))
+    assert settings.context("n1").host.computes_wrong()      # a GPU's corruption: the node's
 
 
 def test_xid_kernel_records():

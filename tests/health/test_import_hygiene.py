@@ -30,3 +30,14 @@ def test_health_imports_no_launcher_package():
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
                           timeout=60)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_checks_never_load_the_simulation():
+    """Injected faults reach the checks only through the host facts and the GPU backend
+    the settings choose: the checks and their context do not know the simulation."""
+    code = ("import sys, ft_launch.health.catalog, ft_launch.health.profile; "
+            "print('ft_launch.health.simulation' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", "a check module imports health.simulation"
