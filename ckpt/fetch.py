@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 READ_CHUNK = 8 << 20
 SEND_CHUNK = 32 << 20
 #: Defaults of the tunables below come from ``[ckpt]``. ``fetch_streams``: connections
-#: per fetch, each reading one byte range; measured on loopback here, one stream ran
-#: at 0.83-0.89x a raw socket (CRC included), two at 0.90-1.07x.
+#: per fetch, each reading one byte range; two came closer to a raw socket than one
+#: (measurements: benchmarks/results/measurements.md#fetch-streams).
 _DEFAULTS = CkptConfig()
 
 
@@ -246,7 +246,8 @@ def push_backup(peer: Peer, secret: str, snapshot: Snapshot, *, source_rank: int
     target = target_for(route)
     manifest = snapshot.manifest.to_json().encode()
     view = snapshot.buffer.data[:snapshot.manifest.total_bytes]
-    # The token signs both digests, so no other body can be sent with it (~0.5 s/GB).
+    # The token signs both digests, so no other body can be sent with it (the cost:
+    # benchmarks/results/measurements.md#push-digest).
     claim = BodyClaim.of_backup(manifest, view)
     conn = http.client.HTTPConnection(peer.host, peer.port, timeout=timeout)
     try:

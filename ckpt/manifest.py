@@ -5,13 +5,14 @@ Pure: numpy and the standard library only. A state is a flat, ordered mapping
 tensor sits at an aligned offset, plus this manifest (JSON) that says where,
 with which dtype and shape, and with a CRC-32 per tensor.
 
-CRC-32 (zlib) was chosen after measuring: 7.2 GB/s on one core here, it releases
-the GIL for large buffers, it catches every single flipped byte and every burst
-of up to 32 bits, and swapped blocks with odds of 2^-32 of a miss. adler32 ran
-at 4.2 GB/s; position-weighted 64-bit sums in numpy ran at 5-7 GB/s (no faster)
-and plain row/column sums (14 GB/s) miss equal-sum blocks swapped between rows;
-xxhash is not available. A snapshot's CRCs are computed when it is first used
-(``with_checksums`` via ``DualBuffer.lease``), not on every step: see ``snapshot``.
+CRC-32 (zlib) was chosen after measuring it against adler32, position-weighted
+64-bit sums and plain row/column sums: faster than the first two, it releases the
+GIL for large buffers, it catches every single flipped byte and every burst of
+up to 32 bits, and swapped blocks with odds of 2^-32 of a miss, where row/column
+sums miss equal-sum blocks swapped between rows; xxhash is not available
+(measurements: benchmarks/results/measurements.md#manifest-checksum). A
+snapshot's CRCs are computed when it is first used (``with_checksums`` via
+``DualBuffer.lease``), not on every step: see ``snapshot``.
 
 A rank of a sharded model (FSDP2, DTensor) holds only its local shards; its
 manifest's shapes are the local shapes and ``meta["layout"]`` says how they sit

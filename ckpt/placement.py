@@ -258,8 +258,9 @@ def route_backups(members: tuple[tuple[int, tuple[Address, ...]], ...], replica_
     replica id, as the quorum's member payloads advertise them. A replica is one
     DP index and its ranks (its shards) the second axis; an address's host is its
     node. Every rank of every member computes the same plan from the same quorum.
-    Cached: the same members come back step after step, and the plan of 8,000
-    ranks takes ~0.2 s.
+    Cached: the same members come back step after step, and the plan of a large
+    job is too slow to make at every step (measurements:
+    benchmarks/results/measurements.md#backup-placement-cache).
     """
     shards = len(members[0][1]) if members else 0
     if not shards or any(len(addresses) != shards for _, addresses in members):

@@ -3,14 +3,15 @@
 A copying snapshot (``snapshot.py``) moves the whole state (1.2 GB for a 100M
 model with Adam) through memory once more every step. On a GPU that copy is a
 DMA beside the compute; on a CPU trainer it competes with the compute for the
-same cores and memory bandwidth, and costs ~4-5% of a step however it is
-scheduled (measured, see ``snapshot.py``). Here there is no copy: the
-parameters and Adam moments *live* in the dual buffer, and the optimizer step
-is computed out of place, reading step n from the buffer that holds it and
-writing step n+1 into the other one, which is the memory traffic an in-place
-step has anyway. Afterwards the parameters point at the new buffer; the old one
-still holds step n, complete, for restore, serving and backup. The small rest
-(model buffers, RNG, step counters, JSON meta) is copied by ``start`` as usual.
+same cores and memory bandwidth, and costs a few percent of a step however it
+is scheduled (measurements: benchmarks/results/measurements.md#resident-state).
+Here there is no copy: the parameters and Adam moments *live* in the dual
+buffer, and the optimizer step is computed out of place, reading step n from the
+buffer that holds it and writing step n+1 into the other one, which is the
+memory traffic an in-place step has anyway. Afterwards the parameters point at
+the new buffer; the old one still holds step n, complete, for restore, serving
+and backup. The small rest (model buffers, RNG, step counters, JSON meta) is
+copied by ``start`` as usual.
 
 Per step, exactly as with copying snapshots::
 
@@ -81,6 +82,20 @@ class ResidentAdam(torch.optim.Optimizer):
 
     The moments exist from construction (torch creates them at the first
     step), so a snapshot has the same layout from the first step on.
+
+    Args:
+        params: the parameters or parameter groups, as torch's optimizers take them.
+        lr: the learning rate.
+        betas: the decay rates of the gradient's running average and of its square's.
+        eps: added to the denominator.
+        weight_decay: the weight decay (L2 penalty; decoupled with
+            ``decoupled_weight_decay``).
+        decoupled_weight_decay: AdamW's decoupled weight decay.
+
+    Raises:
+        ValueError: a negative ``lr``, ``eps`` or ``weight_decay``; a beta outside
+            ``[0, 1)``; a CUDA parameter (use ``torch.optim.Adam`` there); no
+            parameters (torch's check).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
@@ -163,7 +178,21 @@ class ResidentAdam(torch.optim.Optimizer):
 def ResidentAdamW(params: Iterable[Any], lr: float = 1e-3,
                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                   weight_decay: float = 1e-2) -> ResidentAdam:
-    """``torch.optim.AdamW``'s defaults and decoupled weight decay."""
+    """``torch.optim.AdamW``'s defaults and decoupled weight decay.
+
+    Args:
+        params: the parameters or parameter groups, as torch's optimizers take them.
+        lr: the learning rate.
+        betas: the decay rates of the gradient's running average and of its square's.
+        eps: added to the denominator.
+        weight_decay: the decoupled weight decay.
+
+    Returns:
+        A ``ResidentAdam`` with ``decoupled_weight_decay=True``.
+
+    Raises:
+        ValueError: as ``ResidentAdam``.
+    """
     return ResidentAdam(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True)
 
 

@@ -273,7 +273,8 @@ class RestoreChain:
         """The newest sound copy (of ``step`` if given); ``NoCheckpointError`` if none.
 
         ``buffer``: preallocated memory to restore into (fresh memory costs page
-        faults: on these machines first-touch memory fills at ~0.5 GB/s).
+        faults, slow at first touch: measurements:
+        benchmarks/results/measurements.md#restore-first-touch).
         """
         candidates, skipped = self.available()
         for candidate in order_candidates(candidates, step):

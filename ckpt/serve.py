@@ -65,8 +65,9 @@ HEADER_TIMEOUT = 10.0
 #: A body slower than this on average is cut (any real link is 100x faster).
 MIN_BODY_RATE = 1 << 20
 MAX_CONNECTIONS = 128
-#: The kernel caps it at net.core.somaxconn (4096 on current kernels); with 5, a burst
-#: of 200 connects saw SYNs dropped and clients waiting out TCP's 1, 3, 7, 15 s retries.
+#: The kernel caps it at net.core.somaxconn (4096 on current kernels); a small backlog
+#: drops a burst's SYNs and its clients wait out TCP's retries (measurements:
+#: benchmarks/results/measurements.md#state-server-backlog).
 LISTEN_BACKLOG = 1024
 #: A refusal is logged the first time and every this many times after, not each time.
 LOG_EVERY = 1000

@@ -32,34 +32,27 @@ as a backup, persisted, restored), from the snapshot buffer under the lease,
 and kept in its manifest. So every copy that leaves the process carries them
 and every receiver verifies them; what the CRC no longer covers is a bit flip
 in this process's own RAM between the copy and its first use (ECC's job;
-``eager_checksums`` restores that cover at the old price). Measured on 2 cores,
-1.2 GB state, 0.93 s steps, median of clean interleaved pairs: CRC-32 in the
-snapshot thread +24%, a 64-bit row/column sum there +10%, the copy alone +7.7%,
-which is the copy's own time (0.063 s: 6.8% of a step). See
-``benchmarks/ckpt_bench.py``.
+``eager_checksums`` restores that cover at the old price). A CRC in the snapshot
+thread at every step cost far more than the copy itself (measurements:
+benchmarks/results/measurements.md#snapshot-checksums).
 
-Where a step's extra time goes (profiled, one quiet pair, 0.96 s steps): the
-plain step already keeps 1.87 of the 2 cores busy; with a snapshot it is 1.96
-and the step 0.053 s longer, of which 0.046 s is ``wait_ready`` (the nice-19
-thread had not reached 92 of the 194 tensors) and the rest a slower forward
-and backward. Not the cause: page faults (buffers are touched at allocation
-and numpy maps them with huge pages), the GIL (``np.copyto`` releases it).
-The floor is the copy's memory traffic, 0.036 s with both cores (3.8% of a
-step), with no idle core to hide it in; SCHED_IDLE instead of niceness, nice
-0, no helpers, and copying with torch's OpenMP team at the wait all measured
-within the noise of this one (3-7%), so none is used.
+What a snapshot still costs a CPU trainer is the copy's memory traffic, with no
+idle core to hide it in. SCHED_IDLE instead of niceness, nice 0, no helpers, and
+copying with torch's OpenMP team at the wait all measured within the noise of
+this design, so none is used (measurements:
+benchmarks/results/measurements.md#snapshot-step-time).
 
 Priorities on a CPU-bound trainer: the snapshot thread runs at niceness
 ``ckpt.snapshot_nice`` (19). The copy competes with the compute threads for the
 same cores, and an OpenMP thread that loses its core stalls its whole team at
-the next barrier; at niceness 19 a thread takes about 1.5% of a busy core
-(measured: a nice-19 copy loop beside 2-thread training moved 0.28 GB/s and
-slowed it 1-2%) and runs freely on an idle one. It holds no lease, so starving
-it delays nothing but its own copy; what is left when ``wait_ready`` comes is
-copied by the training thread and a helper at normal priority, since training
-waits anyway. Copies go through numpy (one thread, GIL released), never torch's
-``copy_``, which would start a second OpenMP team. On GPU the thread mostly
-waits for the device-to-host DMA and none of this matters.
+the next barrier; at niceness 19 a thread takes a sliver of a busy core and runs
+freely on an idle one (measurements:
+benchmarks/results/measurements.md#snapshot-priority). It holds no lease, so
+starving it delays nothing but its own copy; what is left when ``wait_ready``
+comes is copied by the training thread and a helper at normal priority, since
+training waits anyway. Copies go through numpy (one thread, GIL released),
+never torch's ``copy_``, which would start a second OpenMP team. On GPU the
+thread mostly waits for the device-to-host DMA and none of this matters.
 """
 
 from __future__ import annotations
@@ -164,9 +157,9 @@ def _lower_priority(nice: int) -> None:
 INLINE_COPY_BYTES = 1 << 20
 
 #: Threads that copy alongside the training thread in ``wait_ready``. Two copying
-#: threads moved 1.2 GB in 0.036 s here against 0.063 s for one when the host's
-#: memory bandwidth was free (no gain when other tenants used it); more would
-#: only compete for memory bandwidth.
+#: threads beat one when the host's memory bandwidth was free (no gain when other
+#: tenants used it); more would only compete for memory bandwidth (measurements:
+#: benchmarks/results/measurements.md#snapshot-wait-helpers).
 WAIT_HELPERS = 1
 
 
@@ -248,8 +241,8 @@ class DualBufferSnapshotter:
     is first used (served, pushed, persisted, restored: ``DualBuffer.lease``),
     so a step pays for the copy only. ``eager_checksums`` computes them in the
     snapshot thread right after the copy instead (the old behaviour: the memory
-    tier is then verified from the moment of the copy, at ~0.17 s of a core per
-    1.2 GB per step here).
+    tier is then verified from the moment of the copy, at the price of a CRC pass
+    per step: benchmarks/results/measurements.md#snapshot-checksums).
 
     A copy of at most ``inline_bytes`` (what ``start`` must copy beyond the eager
     tensors and what is resident) is made by ``start`` itself, with no thread.

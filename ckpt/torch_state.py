@@ -63,7 +63,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """True for a DTensor. Its module is looked up, not imported: no tensor can
-    be one before it is, and importing it costs a plain job 0.4 s."""
+    be one before it is, and importing it costs a plain job time for nothing
+    (measurements: benchmarks/results/measurements.md#dtensor-import)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
 

@@ -2,7 +2,8 @@
 
 Pure. State travels as raw tensor bytes (the snapshot buffer as it is) plus the
 JSON manifest, never as pickles: a pickle from a peer could run code, and
-torch.save -> HTTP -> torch.load took ~10 s for 1.5 GB here against ~0.5 s raw.
+torch.save -> HTTP -> torch.load was many times slower than the raw bytes
+(measurements: benchmarks/results/measurements.md#state-wire-format).
 
 Every request carries ``X-Ftl-Auth: <unix seconds>:<nonce>:<hex HMAC>``, keyed by
 the per-job secret, so that another user on the cluster can neither read state
@@ -15,11 +16,12 @@ nonces it accepted until their tokens expire (``NonceCache``).
 
 Why SHA-256 of the whole body rather than the manifest's CRC-32s: a CRC is no
 MAC, and whoever holds a manifest can craft other bytes with the same CRC-32s
-(four patched bytes per tensor). SHA-256 ran at 2.0 GB/s on one core here
-(SHA-NI; hashlib releases the GIL), so a 1 GB push costs ~0.5 s of hashing on
-each side, in the background sender and the receiving handler thread, against
-a 60 s fetch timeout. The manifest digest is separate so that the server can
-check the manifest, and the size it claims, before allocating anything.
+(four patched bytes per tensor). SHA-256 is fast enough for every push (SHA-NI;
+hashlib releases the GIL): its hashing on each side, in the background sender
+and the receiving handler thread, is a small part of the fetch timeout
+(measurements: benchmarks/results/measurements.md#push-digest). The manifest
+digest is separate so that the server can check the manifest, and the size it
+claims, before allocating anything.
 """
 
 from __future__ import annotations

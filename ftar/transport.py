@@ -18,7 +18,8 @@ timeout, so a peer trickling a byte at a time cannot hold a thread), and at
 most ``MAX_PENDING_HANDSHAKES`` run at once (more are closed at once, and the
 client retries within its own deadline). After the
 handshake the socket carries data frames only; ZeroMQ is kept for the quorum's
-control messages because it costs 15-40% on large frames (perf-notes.md).
+control messages because it is slower on large frames (measurements:
+benchmarks/results/measurements.md#ftar-raw-sockets).
 """
 
 from __future__ import annotations

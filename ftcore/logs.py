@@ -15,6 +15,17 @@ SAMPLE_EVERY = 1000
 
 
 def configure_logging(level: str = "INFO", file: str | Path | None = None) -> None:
+    """Log to stderr, and to ``file`` if given, one ``FORMAT`` line per record,
+    replacing the root logger's handlers.
+
+    Args:
+        level: the root logger's level, a ``logging`` level name in any case.
+        file: a file to append the log to as well (its directory is created).
+
+    Raises:
+        ValueError: ``level`` is not a level name.
+        OSError: ``file`` or its directory cannot be created or opened.
+    """
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if file is not None:
         Path(file).parent.mkdir(parents=True, exist_ok=True)

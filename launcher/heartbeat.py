@@ -3,11 +3,12 @@
 The controller (``ft-launch run``) runs on the batch host, or on a login node, and
 with it every ``srun`` client. If that host dies, the replicas may train on, but
 nobody would recover them, and Slurm keeps a batch job whose batch host is dead
-RUNNING until its time limit (measured on the lab cluster). So the controller
-rewrites a small file in the shared run directory every ``interval``; a worker
-that sees it unchanged for ``runtime.controller_timeout`` (by its own clock: no
-clock is compared across nodes) knows the controller is lost and ends the
-allocation cleanly (see ``ft_launch.launcher.worker.manager``).
+RUNNING until its time limit (measurements:
+benchmarks/results/measurements.md#batch-host-loss). So the controller rewrites
+a small file in the shared run directory every ``interval``; a worker that sees
+it unchanged for ``runtime.controller_timeout`` (by its own clock: no clock is
+compared across nodes) knows the controller is lost and ends the allocation
+cleanly (see ``ft_launch.launcher.worker.manager``).
 
 The run directory is shared by every node already (events, audit, checkpoints);
 a file there needs no listening socket on the controller and works the same

@@ -1,9 +1,10 @@
 """Slurm ``Prolog=``: the quick profile before a job uses the node.
 
 A failing Prolog makes Slurm drain the node and requeue *and hold* the whole
-batch job (measured, see shared/docs/slurm-lab.md); the node is drained first
-with the precise reason, which Slurm then keeps. For a node promoted into a
-running job use the step-level gate (``ft_launch.slurm_plugins.gate``) instead.
+batch job (measurements: benchmarks/results/measurements.md#prolog-failure); the
+node is drained first with the precise reason, which Slurm then keeps. For a
+node promoted into a running job use the step-level gate
+(``ft_launch.slurm_plugins.gate``) instead.
 """
 
 from __future__ import annotations

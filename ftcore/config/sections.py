@@ -155,13 +155,13 @@ class CkptConfig(_Section):
     peer_backup: bool = True
     fetch_timeout: float = _seconds(60.0)
     local_dir: str = ""                  # node-local disk tier ("": off)
-    #: Steps between pushes of a rank's snapshot to its backup peer. 50, measured on the
-    #: CPU trainer of benchmarks/ckpt_bench.py (100M params + Adam, 1.2 GB state, 2 cores,
-    #: ~1 s steps; ResidentAdam): snapshots alone +3.2%, with a push every 50 steps +5.4%,
-    #: every 10 +20%, every step +58%. A push costs ~2 CPU-s per 1.2 GB (SHA-256 at both
-    #: ends, CRC-32, the socket), taken from training where it keeps every core busy. 50
-    #: is half of persist_every: a job that loses every replica loses at most ~50 steps,
-    #: not 100. Where host cores idle (GPU training) a push is near free: set it lower.
+    #: Steps between pushes of a rank's snapshot to its backup peer. A push costs CPU
+    #: time (SHA-256 at both ends, CRC-32, the socket), taken from training where it keeps
+    #: every core busy: on a CPU trainer a push every 50 steps added a little to what the
+    #: snapshots cost, every 10 or every step far more (measurements:
+    #: benchmarks/results/measurements.md#backup-every). 50 is half of persist_every: a
+    #: job that loses every replica loses at most ~50 steps, not 100. Where host cores
+    #: idle (GPU training) a push is near free: set it lower.
     backup_every: int = _count(50, 1, 10**9)
     #: Node-local directory where a rank keeps the backups it holds for others, as
     #: files (tmpfs: memory that outlives the process, so the next incarnation of a

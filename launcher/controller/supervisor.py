@@ -82,6 +82,49 @@ def system_clock() -> lifecycle.Now:
 
 
 class Supervisor:
+    """The shell of ``ft-launch run``'s controller: it observes, hands each observation
+    to ``lifecycle.decide`` and carries out the actions that come back, in order.
+
+    Owns: the controller's state (``lifecycle.ControllerState``, replaced by each
+    decision), the running job steps (``replicas``: one srun per replica; ``standbys``:
+    one warm standby agent per standby node), each replica's rank-0 event file tail,
+    the hang diagnoses and dual-phase replays running in the background (``replays``),
+    and where configured the reservation pool of standby nodes (``pool``), the
+    inspection collector and its per-node steps (``inspection``), the fail-slow and
+    loss-spike detectors (``pace``, ``spikes``).
+
+    The loop (``run``): ``start`` decides ``RunStarted`` and launches what it orders,
+    then every ``recovery.poll_interval`` ``poll`` observes (new event-file lines,
+    exited steps, Slurm's node states, inspection alarms, ``ft-launch update``
+    requests, finished diagnoses and replays), turns each observation into one
+    ``lifecycle`` event, then a ``Tick``, and passes each to ``decide``, which calls
+    ``lifecycle.decide`` and ``execute``s its actions (srun, scancel, scontrol drain,
+    events). It ends with the exit code of a ``FinishRun`` or ``GiveUp`` action, and
+    in any case stops everything it started (``stop_all``).
+
+    It never decides itself: whether to retry, evict, promote, restart, roll back or
+    give up is ``lifecycle.decide``'s alone. Where carrying out an action fails in a
+    way the decision must know (Slurm refuses a promotion), that outcome goes back to
+    ``decide`` as an event (``PromotionFailed``); a drain Slurm refuses is handed to
+    the node's Epilog instead.
+
+    Starts: an srun process (``subprocess.Popen``) per replica, standby agent and
+    inspection step; the heartbeat writer thread (``HeartbeatWriter``, for as long as
+    ``run`` runs); a thread per hang diagnosis and per replay, each of which starts
+    its own sruns. Torch is never imported.
+
+    Args:
+        config: the run's configuration.
+        plan: the launch plan (replicas and their nodes, standby nodes, the job).
+        slurm: the Slurm backend every srun, scancel and scontrol goes through.
+        run_dir: the shared run directory (events, logs, heartbeat, diagnoses).
+        worker_env: the environment every step gets (the job secret among it).
+        events: the controller's event log.
+        clock: the time ``decide`` is given; the system clock unless a test's.
+        listen_host: where the controller's own endpoints (the inspection collector)
+            listen; None: its host name's address.
+    """
+
     def __init__(self, config: Config, plan: LaunchPlan, slurm: SlurmBackend, run_dir: Path,
                  worker_env: dict[str, str], events: EventLog,
                  clock: Callable[[], lifecycle.Now] = system_clock,

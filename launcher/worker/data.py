@@ -112,7 +112,28 @@ class FtBatchSampler(Sampler[list[int]]):
     ``set_position`` says where the next iteration starts.
 
     Usable without ft-launch too: from position 0 it gives a native HSDP rank the
-    same batches, e.g. for the native run a test compares with."""
+    same batches, e.g. for the native run a test compares with.
+
+    Args:
+        num_samples: the dataset's length.
+        global_batch_size: the samples of one optimizer step, every replica, rank and
+            micro-batch together.
+        replica_id: this replica's index, below ``num_replicas``.
+        num_replicas: the replicas of the run.
+        rank: this rank's index in its replica, below ``ranks``.
+        ranks: the ranks of one replica.
+        accumulation_steps: micro-batches per optimizer step.
+        shuffle: a permutation per epoch (``torch.randperm`` seeded with ``seed +
+            epoch``); False: the dataset's order.
+        seed: the base seed of the permutations.
+        drop_last: leave out the tail of each epoch that fills no whole global batch.
+
+    Raises:
+        UsageError: ``accumulation_steps`` below 1; ``global_batch_size`` not a
+            positive multiple of ``num_replicas * ranks * accumulation_steps``;
+            ``replica_id`` or ``rank`` out of range; an empty dataset; with
+            ``drop_last``, a dataset smaller than one global batch.
+    """
 
     def __init__(self, num_samples: int, global_batch_size: int, *, replica_id: int,
                  num_replicas: int, rank: int = 0, ranks: int = 1,
@@ -154,7 +175,14 @@ class FtBatchSampler(Sampler[list[int]]):
         self._permutations: dict[int, list[int]] = {}
 
     def set_position(self, position: int) -> None:
-        """The next iteration starts at the step at ``position`` of the replica's stream."""
+        """The next iteration starts at the step at ``position`` of the replica's stream.
+
+        Args:
+            position: samples of the replica's stream before that step.
+
+        Raises:
+            ValueError: ``position`` is negative.
+        """
         if position < 0:
             raise ValueError(f"a stream position is never negative: {position}")
         self._position = position
@@ -171,17 +199,40 @@ class FtBatchSampler(Sampler[list[int]]):
             position += self.replica_batch_size
 
     def rank_share(self, position: int) -> list[int]:
-        """This rank's dataset indices of the step at ``position``, micro-batches in order."""
+        """This rank's dataset indices of the step at ``position``, micro-batches in order.
+
+        Args:
+            position: samples of the replica's stream before that step.
+
+        Returns:
+            ``replica_batch_size / ranks`` dataset indices.
+        """
         return [self.dataset_index(self.sample_id(q))
                 for q in range(position + self.rank, position + self.replica_batch_size,
                                self.stream.ranks)]
 
     def sample_id(self, q: int) -> int:
-        """The global sample id at position ``q`` of this replica's stream."""
+        """The global sample id at position ``q`` of this replica's stream.
+
+        Args:
+            q: a position of this replica's stream.
+
+        Returns:
+            The sample id ``g(q)`` of the module doc.
+        """
         replicas, ranks = self.stream.num_replicas, self.stream.ranks
         return (q // ranks) * replicas * ranks + self.replica_id * ranks + q % ranks
 
     def dataset_index(self, sample_id: int) -> int:
+        """Where global sample ``sample_id`` is in the dataset.
+
+        Args:
+            sample_id: a global sample id.
+
+        Returns:
+            Its index in the dataset: its offset in its epoch, through the epoch's
+            permutation with ``shuffle``.
+        """
         epoch, offset = divmod(sample_id, self.epoch_length)
         return self._permutation(epoch)[offset] if self.stream.shuffle else offset
 
@@ -212,7 +263,25 @@ class FtDataLoader(DataLoader):  # type: ignore[type-arg]
     replica. ``drop_last``: where an epoch ends (module doc). Every other argument
     (``num_workers``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers``,
     ``collate_fn``, ...) is the ``DataLoader``'s. ``ft_manager``'s ``batch_size``
-    must be ``global_batch_size / replicas``: what the ledger counts a step."""
+    must be ``global_batch_size / replicas``: what the ledger counts a step.
+
+    Args:
+        dataset: a map-style dataset with a length.
+        manager: this rank's manager (``ft_manager``); the loader reads its position.
+        global_batch_size: the samples of one optimizer step, every replica, rank and
+            micro-batch together.
+        shuffle: a permutation per epoch, the same on every replica.
+        seed: the base seed of the permutations.
+        drop_last: leave out the tail of each epoch that fills no whole global batch.
+        accumulation_steps: micro-batches per optimizer step.
+        **loader_args: the ``DataLoader``'s other arguments.
+
+    Raises:
+        UsageError: ``batch_size``, ``sampler`` or ``batch_sampler`` given;
+            ``in_order=False``; an iterable dataset, or one without a length; the
+            manager counts another batch than ``global_batch_size / replicas``; and
+            what ``FtBatchSampler`` refuses.
+    """
 
     def __init__(self, dataset: Dataset[Any], manager: Manager, *, global_batch_size: int,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False,
@@ -250,9 +319,22 @@ class FtDataLoader(DataLoader):  # type: ignore[type-arg]
         self.rewinds = 0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """An endless iterator over this rank's batches, each the one the manager's
+        position asks for (module doc: rewinding).
+
+        Raises:
+            UsageError: from ``next()``: a step's first batch asked for before the
+                previous ``optimizer.step()``, or not at the same place every step; a
+                step that ended before its ``accumulation_steps`` batches were taken.
+        """
         return _StepBatches(self)
 
     def __len__(self) -> int:
+        """No length: the loader never ends (the epochs follow one another in it).
+
+        Raises:
+            TypeError: always; bound the loop by steps (``manager.next_step``).
+        """
         raise TypeError("an FtDataLoader never ends (the epochs follow one another in it): "
                         "bound the loop by steps (manager.next_step); an epoch is "
                         f"{self.ft_sampler.epoch_length} / "
@@ -260,17 +342,39 @@ class FtDataLoader(DataLoader):  # type: ignore[type-arg]
 
     def batches_from(self, position: int) -> Iterator[Any]:
         """The DataLoader's own iterator (its workers, read-ahead and all), from the step
-        at ``position`` of this replica's stream on."""
+        at ``position`` of this replica's stream on.
+
+        Args:
+            position: samples of the replica's stream before the first batch's step.
+
+        Returns:
+            The ``DataLoader``'s iterator, without the position checks of ``iter()``.
+
+        Raises:
+            ValueError: ``position`` is negative.
+        """
         self.ft_sampler.set_position(position)
         return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
-        """What defines the stream (positions are in the manager's ledger)."""
+        """What defines the stream (positions are in the manager's ledger).
+
+        Returns:
+            ``{"stream": ...}``: dataset length, batch, replicas, ranks, shuffle, seed,
+            drop_last.
+        """
         return {"stream": asdict(self.ft_sampler.stream)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Check that ``state`` (a snapshot's, or a peer's at a catch-up) was saved by a
-        loader of this stream: any other reads other samples at the same positions."""
+        loader of this stream: any other reads other samples at the same positions.
+
+        Args:
+            state: what ``state_dict`` returned.
+
+        Raises:
+            UsageError: ``state`` defines another stream (it names what differs).
+        """
         mine = asdict(self.ft_sampler.stream)
         theirs = dict(state["stream"])
         differ = [f"{key} {mine[key]!r} here, {theirs.get(key)!r} there" for key in mine

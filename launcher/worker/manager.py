@@ -98,7 +98,30 @@ class Manager:
     samples), the ``FailureBudget``, the ``ReplicaGroup`` (collectives among the
     replica's ranks), the ``TrainState`` (model and optimizer) and the
     ``StepObserver`` (no-op in production; fault drills). Each step's own state is a
-    ``StepContext``, made when the step starts."""
+    ``StepContext``, made when the step starts.
+
+    The step's errors, by what the caller does about them: a recoverable failure (a
+    lost peer, a broken ring, a failed catch-up fetch) raises nothing, the step is
+    dropped at its commit and trained again; the worker's ends (``exits``) are
+    ``SystemExit``s that training code's ``except Exception`` cannot swallow.
+
+    Args:
+        config: the run's configuration.
+        identity: this rank's place in the run.
+        state: the model and optimizer (``TrainState``; for torch, made by
+            ``torch_api.ft_manager``).
+        batch_size: samples one step of this replica consumes (all its ranks and
+            micro-batches together).
+        group: the collectives among the replica's ranks; None: a replica of one rank.
+        observer: the step observer; None: the one the configuration names (no-op in
+            production).
+
+    Raises:
+        NothingToJoin: the run finished before this replica started (``SystemExit``,
+            exit 77).
+        LayoutMismatchError: the state restored at start is laid out for another
+            model or mesh (a ``FatalError``).
+    """
 
     def __init__(self, config: Config, identity: WorkerIdentity, state: TrainState,
                  batch_size: int, *, group: ReplicaGroup | None = None,
@@ -212,7 +235,13 @@ class Manager:
 
     @property
     def plan(self) -> StepPlan:
-        """This step's plan (the last step's after its commit); waits for the quorum."""
+        """This step's plan (the last step's after its commit); waits for the quorum.
+
+        Raises:
+            RuntimeError: no step was started, or the quorum gave no plan.
+            NoQuorum, NothingToJoin, TerminalAbort, FatalError: what stopped the
+                quorum (see ``allreduce_gradients``).
+        """
         step = self._step
         if step is None or (not step.open and step.plan is None):
             raise RuntimeError("start_step() first")
@@ -239,7 +268,15 @@ class Manager:
 
         The step committed last is snapshotted first: what the loop did after its
         ``optimizer.step()`` (``scheduler.step()``, the script's counters) belongs to
-        it, so a replica that catches up from it continues from there exactly."""
+        it, so a replica that catches up from it continues from there exactly.
+
+        Raises:
+            DifferentStart: at the run's first step, replicas start from different
+                models and ``runtime.identical_start = refuse`` (``SystemExit``, exit
+                78); every rank of every replica in the quorum raises it.
+            FatalError: at the run's first step, the model copied from the lowest
+                replica differs from that replica's (``runtime.identical_start = copy``).
+        """
         if self.step_started:
             return
         self._state.begin_step()
@@ -346,7 +383,16 @@ class Manager:
                          after: Callable[[], None] | None = None) -> Job:
         """Queue a reduction of (some of) this step's gradients on the exchange thread,
         after the quorum: hooks call this during backward. ``after`` runs once it ran
-        or was skipped (the step failed earlier). The job, to wait on."""
+        or was skipped (the step failed earlier). The job, to wait on.
+
+        Args:
+            reduce: reduces gradients with the step's ``Reduction`` (the ring, the step,
+                whether this replica trains).
+            after: called once the job ran or was skipped.
+
+        Returns:
+            The queued job (``Job.wait``).
+        """
         step = self._step
         return self._work.submit(lambda: self._run_reduction(step, reduce), after)
 
@@ -379,7 +425,25 @@ class Manager:
         The torch front end calls it at the end of every backward that synchronises
         gradients (``torch_api``), so a script need not: clipping right after
         ``loss.backward()`` sees the average. Called again it only waits for what
-        hooks queued since (a DDP or FSDP2 backward that synchronised once more)."""
+        hooks queued since (a DDP or FSDP2 backward that synchronised once more).
+
+        A recoverable failure of the step's cross-replica work (a lost peer, a broken
+        ring) raises nothing here: it is recorded and the step is dropped at its
+        commit. What else stopped that work is raised here, in the training thread.
+
+        Raises:
+            RuntimeError: no step was started (``start_step``).
+            NoQuorum: no quorum within ``runtime.max_consecutive_failures`` attempts:
+                the others are gone (``SystemExit``, exit 75).
+            NothingToJoin: the run finished while this replica waited for a quorum
+                (``SystemExit``, exit 77).
+            TerminalAbort: the controller is lost; the newest step was saved and the
+                allocation ended (``controller_loss``).
+            FatalError: retrying cannot help (this replica is ahead of the quorum's
+                step, say, or has another number of ranks than the others).
+            UsageError: no gradient reached the all-reduce hooks this step (a rank
+                skipped backward, or its last backward did not synchronise).
+        """
         step = self._step
         if step is None or not step.open:
             if step is not None and step.exchanged:   # committed or dropped: nothing left
@@ -406,7 +470,11 @@ class Manager:
         the replica's samples of all of them). Without it, a second backward after
         the step's exchange is refused (``UsageError``): its gradients would stay this
         replica's own. DDP and FSDP2 models use their own (``model.no_sync()``,
-        ``model.set_requires_gradient_sync(False)``)."""
+        ``model.set_requires_gradient_sync(False)``).
+
+        Raises:
+            UsageError: the model is DDP or FSDP2 (torch front end).
+        """
         previous = self._state.set_gradient_sync(False)
         try:
             yield
@@ -421,14 +489,31 @@ class Manager:
         catches up or restarts continues the schedule at the right step. Its state is
         taken when the next step starts (``start_step``); a dropped step's changes to
         it (a ``scheduler.step()`` after a ``step()`` that returned False) are undone.
-        Register before the first ``optimizer.step()``."""
+        Register before the first ``optimizer.step()``.
+
+        Args:
+            name: the object's key in every snapshot, one per object.
+            obj: anything with ``state_dict()`` and ``load_state_dict()``.
+
+        Raises:
+            UsageError: (torch front end) after the first ``optimizer.step()``; ``obj``
+                lacks ``state_dict()`` or ``load_state_dict()``; ``name`` is registered
+                already; ``obj.state_dict()`` holds what a snapshot cannot (the error
+                says where); or, where a restored state waits for ``name``, what
+                ``obj.load_state_dict`` raises (``FtDataLoader``: another stream).
+        """
         self._state.register_state(name, obj)
 
     @contextmanager
     def training_step(self) -> Iterator[None]:
         """``with manager.training_step(): loss.backward()``: starts the step; on
         leaving, the gradients are averaged across replicas (then clip, then commit
-        with ``manager.commit()`` or ``FtOptimizer.step()``)."""
+        with ``manager.commit()`` or ``FtOptimizer.step()``).
+
+        Raises:
+            DifferentStart, NoQuorum, NothingToJoin, TerminalAbort, FatalError,
+                UsageError: as ``start_step`` and ``allreduce_gradients``.
+        """
         self.start_step()
         yield
         self.allreduce_gradients()
@@ -436,7 +521,26 @@ class Manager:
     def commit(self, loss: float | None = None) -> bool:
         """Two-phase commit inside the replica: every rank's all-reduce (and fetch) must
         have succeeded; then the optimizer step, the ledger, the audit, the snapshot.
-        ``loss`` (this rank's, optional) goes into the commit event, for the timeline."""
+        ``loss`` (this rank's, optional) goes into the commit event, for the timeline.
+
+        Args:
+            loss: this rank's loss of the step, for the commit event.
+
+        Returns:
+            True: the step committed (the optimizer stepped, ``next_step`` advanced).
+            False: a rank of the replica failed the step (its all-reduce or catch-up);
+            it is dropped on every rank, its gradients zeroed, and trained again.
+
+        Raises:
+            RuntimeError: no step was started (``start_step``).
+            FatalError: ``runtime.max_consecutive_failures`` steps failed in a row; the
+                state fetched to catch up is laid out for another model
+                (``LayoutMismatchError``); or as ``allreduce_gradients``.
+            UsageError: commit() again for a step already committed; a registered
+                object refused the state fetched to catch up (``FtDataLoader``: another
+                stream); or as ``allreduce_gradients``.
+            NoQuorum, NothingToJoin, TerminalAbort: as ``allreduce_gradients``.
+        """
         if self._step is not None and not self._step.open:
             # a second commit would step the optimizer again and count the step's
             # samples twice: the next batch silently skipped

@@ -199,7 +199,25 @@ def ft_init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     dimension (module doc). ``mesh_shape[0]`` must be the number of replicas
     ft-launch runs; the other dimensions together the replica's ranks
     (``WORLD_SIZE``). Starts the replica's process group from the environment if
-    the script has not, as ``init_device_mesh`` does."""
+    the script has not, as ``init_device_mesh`` does.
+
+    Args:
+        device_type: as ``init_device_mesh``'s (``"cuda"``, ``"cpu"``).
+        mesh_shape: the run's mesh, ``(replicas, shards, ...)``: at least two
+            dimensions, the first the replica count.
+        mesh_dim_names: as ``init_device_mesh``'s; the first names the replicate
+            dimension.
+        backend_override: as ``init_device_mesh``'s.
+        identity: this rank's place in the run; None: from the worker environment.
+
+    Returns:
+        The replica's ``FtDeviceMesh``, reporting the run's layout.
+
+    Raises:
+        UsageError: fewer than two dimensions; ``mesh_shape[0]`` is not the number of
+            replicas ft-launch runs; the other dimensions do not hold the replica's
+            ranks; the worker environment is missing or invalid.
+    """
     identity = identity or WorkerIdentity.from_env()
     shape = tuple(int(size) for size in mesh_shape)
     names = None if mesh_dim_names is None else tuple(mesh_dim_names)

@@ -67,12 +67,16 @@ class ReplicaEndpoints:
 
 @functools.lru_cache(maxsize=8192)
 def decode_endpoints(text: str) -> ReplicaEndpoints:
-    """Cached: the same members advertise the same text step after step (at 1,000
-    replicas decoding every step cost ~60 ms per rank)."""
+    """Cached: the same members advertise the same text step after step, and decoding
+    it every step is costly at many replicas (measurements:
+    benchmarks/results/measurements.md#endpoint-decode-cache)."""
     return ReplicaEndpoints.decode(text)
 
 
 class StepKind(enum.Enum):
+    """What a replica does in a step, as the quorum decides (``StepPlan.kind``; a
+    script reads it as ``manager.plan.kind``)."""
+
     TRAIN = "train"          # compute gradients on this replica's next batch
     CATCH_UP = "catch_up"    # behind: fetch state, contribute zero gradients
 

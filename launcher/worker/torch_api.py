@@ -485,7 +485,14 @@ class FtOptimizer(torch.optim.Optimizer):
     ``torch.amp.GradScaler`` steps it as natively (``scaler.step(optimizer)``) once
     registered (``manager.register_state("scaler", scaler)``): every replica's scaler
     sees the same averaged gradients, a step where it finds Inf/NaN commits without
-    an update, and its scale rides in every snapshot."""
+    an update, and its scale rides in every snapshot.
+
+    Args:
+        manager: the manager ``ft_manager`` returned (its optimizer is the one wrapped).
+
+    Raises:
+        UsageError: ``manager`` was not made by ``ft_manager`` for a torch model.
+    """
 
     #: GradScaler.step calls step() even where it finds Inf/NaN (``scaler_found_inf``).
     _step_supports_amp_scaling = True
@@ -542,9 +549,33 @@ class FtOptimizer(torch.optim.Optimizer):
         return f"FtOptimizer({self.optimizer!r})"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``.
+
+        Args:
+            set_to_none: set the gradients to None instead of zeroing them.
+        """
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None, *, loss: float | None = None) -> bool:  # type: ignore[override]
+        """Commit the step (``Manager.commit``; the class doc): the wrapped optimizer
+        steps only if every rank of the replica finished the step's all-reduce. Starts
+        the step first if no forward of the model did.
+
+        Args:
+            closure: not supported; must be None.
+            loss: this rank's loss of the step, for the commit event.
+
+        Returns:
+            True if the step committed; False if it was dropped on every rank of the
+            replica and is to be trained again.
+
+        Raises:
+            UsageError: a ``closure`` was given; at the first step, an LR scheduler
+                drives this optimizer but is not registered (``register_state``); or
+                as ``Manager.commit``.
+            DifferentStart, NoQuorum, NothingToJoin, TerminalAbort, FatalError: as
+                ``Manager.start_step`` and ``Manager.commit``.
+        """
         if closure is not None:
             raise UsageError("FtOptimizer.step takes no closure: the step commits once "
                              "its all-reduce is done")
@@ -563,12 +594,32 @@ class FtOptimizer(torch.optim.Optimizer):
             self._train_state.skip_update = False
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()``, for the script's own checkpoints."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Load the script's own checkpoint into the wrapped optimizer (a resident
+        optimizer's state is moved out of the snapshot buffers first).
+
+        Args:
+            state_dict: what ``state_dict()`` returned.
+
+        Raises:
+            ValueError: torch's, where ``state_dict`` does not fit the parameter groups.
+        """
         self._train_state.load_optimizer_state(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer; its gradients are averaged
+        across replicas from the next step on.
+
+        Args:
+            param_group: as ``torch.optim.Optimizer.add_param_group`` takes it.
+
+        Raises:
+            UsageError: the wrapped optimizer is a ``ResidentAdam``; a parameter is not
+                one of the model's given to ``ft_manager``.
+        """
         self._train_state.add_param_group(param_group)
 
     def _check_schedulers(self) -> None:
@@ -658,7 +709,34 @@ def ft_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     know how many replicas there are). One of the two.
     A replica of several ranks uses the script's process group, or starts one.
     Started for a replay (``FTL_WORKER_REPLAY``), it returns a ``ReplayManager``: the
-    same loop then replays one recorded step and ends the process (``replay``)."""
+    same loop then replays one recorded step and ends the process (``replay``).
+
+    Args:
+        model: the model the script trains (FSDP2, DDP or a plain module).
+        optimizer: the script's own ``torch.optim.Optimizer`` over the model's
+            parameters (not an ``FtOptimizer``).
+        batch_size: the replica's samples of one optimizer step.
+        config: the run's configuration; None: loaded from the environment
+            ``ft-launch run`` sets (``FTL_CONFIG``).
+        identity: this rank's place in the run; None: from the worker environment.
+        global_batch_size: the native script's samples of one optimizer step, every
+            replica's together.
+
+    Returns:
+        This rank's ``Manager``; wrap its optimizer with ``FtOptimizer(manager)``.
+
+    Raises:
+        UsageError: ``optimizer`` is an ``FtOptimizer``; not exactly one of
+            ``batch_size`` and ``global_batch_size``; a ``global_batch_size`` that is
+            not a positive multiple of the replicas; the worker environment is missing
+            or invalid; the script's process group is not this replica's (rank or
+            world size).
+        ConfigError: the configuration does not load.
+        NothingToJoin: the run finished before this replica started (``SystemExit``,
+            exit 77).
+        LayoutMismatchError: the state restored at start is laid out for another
+            model or mesh (a ``FatalError``).
+    """
     if isinstance(optimizer, FtOptimizer):
         raise UsageError("ft_manager takes the script's own optimizer, not an FtOptimizer",
                          hint="manager = ft_manager(model, optimizer, ...); then "

@@ -184,11 +184,11 @@ _WIDE_CHUNK = 1 << 20
 
 def _norm(tensor: torch.Tensor) -> float:
     """The L2 norm, which is NaN or Inf only if an element is: the controller watches it
-    and it is the finiteness check (isfinite is ~40x slower on CPU). One float32 pass that
-    allocates nothing (3 ms for 10M elements on one CPU core); only where its squares
-    overflow (elements past ~1.8e19: a GradScaler at 2^70 gets there with every element
-    finite) again in float64, a chunk at a time (11 ms for 10M on CPU: one float64 pass
-    over all of them takes 7 times longer)."""
+    and it is the finiteness check (isfinite is much slower on CPU). One float32 pass that
+    allocates nothing; only where its squares overflow (elements past ~1.8e19: a
+    GradScaler at 2^70 gets there with every element finite) again in float64, a chunk
+    at a time (one float64 pass over all of them is slower still). Measurements:
+    benchmarks/results/measurements.md#gradient-norm."""
     norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float32))
     if math.isfinite(norm):
         return norm
