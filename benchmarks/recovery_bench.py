@@ -143,7 +143,7 @@ def run_requeue(out: Path, args: argparse.Namespace) -> dict[str, float]:
          "'export FTL_WORKER_REPLICA_ID=$SLURM_NODEID FTL_WORKER_RANK=$SLURM_LOCALID "
          f"RANK=$SLURM_LOCALID LOCAL_RANK=$SLURM_LOCALID; exec {train}'"), ""]))
     job = sbatch([f"--chdir={REPO}", f"--output={out}/requeue-%j.out", "--requeue", "-N3",
-                  str(script)])
+                  "--ntasks-per-node=2", str(script)])
     return kill_and_measure(job, run_dir, args)
 
 
