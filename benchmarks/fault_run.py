@@ -6,6 +6,11 @@ all-reduce and resumed later, with and without ``runtime.drop_lost_members``.
     python benchmarks/fault_run.py [--fault kill|hang] [--steps 80] [--kill-step 25]
                                    [--size small] [--json F]
 
+A faulty run lasts as long as what it measures: it ends (the example's ``end-step``
+file) ``AFTER_CATCH_UP`` steps after the faulty replica has caught up, and not before
+step ``--steps``, however long the restart takes; the fault-free run then trains as
+many steps (``steps`` in the summary).
+
 Prints and writes ``{"summary": {"identical_final_state", "samples_exactly_once",
 "max_healthy_stall_s", "rejoin_s", "step_time_s", "final_loss",
 "baseline_final_loss", ...}}``:
@@ -34,14 +39,17 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))   # the tests' harness: how a faulty run ends
+
 from record import write_json
 
 from ft_launch.env import ENV_OBSERVER
 from ft_launch.launcher.worker.audit import AuditError, check_exactly_once
 from ft_launch.launcher.worker.events import StepCommitted
 from ft_launch.launcher.worker.local import LocalJob
+from tests.worker.harness import end_once_caught_up
 
-REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "etc" / "examples" / "gpt" / "train.py"
 #: The workers' step observer: it injects the kill or the hang (tests/faults)
 INJECTOR = {ENV_OBSERVER: str(REPO / "tests" / "faults" / "injector.py")}
@@ -52,15 +60,26 @@ CONFIG = {
 }
 
 
+#: Steps a faulty run trains once its faulty replica has caught up: it commits them
+#: among the others again.
+AFTER_CATCH_UP = 10
+#: The example's ``--steps`` in a faulty run: its end is decided while it trains.
+UNBOUNDED = 1_000_000
+
+
 #: Production timeouts for the hang: what a hung peer costs is what they make it.
 HANG_CONFIG = {"FTL_CKPT_PERSIST_EVERY": "100000"}
 
 
 def run(run_dir: Path, args: argparse.Namespace, fault: str | None,
-        config: dict[str, str] | None = None) -> dict[str, object]:
-    """One run; ``fault``: None, "kill" (restart) or "hang" (SIGSTOP, then SIGCONT)."""
-    command = [sys.executable, str(TRAIN), "--steps", str(args.steps), "--size", args.size,
-               "--batch-size", str(args.batch_size), "--threads", "1"]
+        config: dict[str, str] | None = None, steps: int | None = None) -> dict[str, object]:
+    """One run; ``fault``: None, "kill" (restart) or "hang" (SIGSTOP, then SIGCONT).
+    Fault-free, it trains ``steps`` (default ``--steps``); faulty, it ends
+    ``AFTER_CATCH_UP`` steps after the faulty replica caught up, at ``--steps`` or later.
+    The result's ``steps``: how many it trained."""
+    steps = steps or args.steps
+    command = [sys.executable, str(TRAIN), "--steps", str(UNBOUNDED if fault else steps),
+               "--size", args.size, "--batch-size", str(args.batch_size), "--threads", "1"]
     job = LocalJob(run_dir, args.replicas, command, {**(config or CONFIG), **INJECTOR})
     victim = 1
     point = {"kill": "kill@after_commit", "hang": "stop@mid_allreduce"}.get(fault or "")
@@ -71,6 +90,7 @@ def run(run_dir: Path, args: argparse.Namespace, fault: str | None,
             job.current(victim).wait(timeout=args.timeout)
             restarted_at = time.time()
             job.start(victim)
+            steps = caught_up_end(job, victim, args, run_dir)
         elif fault == "hang":
             deadline = time.monotonic() + args.timeout
             while job.last_committed_step(0) < args.kill_step + 10:
@@ -79,6 +99,7 @@ def run(run_dir: Path, args: argparse.Namespace, fault: str | None,
                 time.sleep(0.2)  # polling a benchmark's progress, not synchronising a test
             restarted_at = time.time()
             job.resume(victim)
+            steps = caught_up_end(job, victim, args, run_dir)
         codes = job.wait_all(args.timeout)
     finally:
         job.stop_everything()
@@ -86,7 +107,7 @@ def run(run_dir: Path, args: argparse.Namespace, fault: str | None,
         raise SystemExit(f"a replica failed: {codes}; logs in {run_dir}")
     finals = job.finals()
     try:
-        audit = check_exactly_once(run_dir, args.replicas, args.steps)
+        audit = check_exactly_once(run_dir, args.replicas, steps)
         exactly_once = all(f["positions"] == list(audit.positions) for f in finals.values())
     except AuditError as error:
         print(f"audit failed: {error}")
@@ -107,6 +128,7 @@ def run(run_dir: Path, args: argparse.Namespace, fault: str | None,
         "final_loss": statistics.fmean(float(f["loss"]) for f in finals.values()),  # type: ignore[arg-type]
         "step_time_s": statistics.median(gaps),
         "max_stall_s": max(after_kill or gaps),
+        "steps": steps,
     }
     if fault and restarted_at is not None:
         rejoined = [e for e in job.committed(victim) if isinstance(e, StepCommitted)
@@ -115,7 +137,15 @@ def run(run_dir: Path, args: argparse.Namespace, fault: str | None,
     return result
 
 
-def main() -> int:
+def caught_up_end(job: LocalJob, victim: int, args: argparse.Namespace, run_dir: Path) -> int:
+    """The end step of a faulty run, set once ``victim`` has caught up."""
+    try:
+        return end_once_caught_up(job, victim, AFTER_CATCH_UP, args.timeout, args.steps)
+    except AssertionError as error:
+        raise SystemExit(f"{error}; logs in {run_dir}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fault", choices=["kill", "hang"], default="kill")
@@ -126,11 +156,12 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     hang = args.fault == "hang"
     with tempfile.TemporaryDirectory(prefix="ftl-fault-run-") as tmp:
-        baseline = run(Path(tmp) / "baseline", args, None)
         faulty = run(Path(tmp) / "fault", args, args.fault, HANG_CONFIG if hang else CONFIG)
+        # as long as the faulty run turned out
+        baseline = run(Path(tmp) / "baseline", args, None, steps=faulty["steps"])  # type: ignore[arg-type]
         ring_only = (run(Path(tmp) / "ring-only", args, "hang",
                          {**HANG_CONFIG, "FTL_RUNTIME_DROP_LOST_MEMBERS": "false"})
                      if hang else None)
@@ -143,7 +174,7 @@ def main() -> int:
         "final_loss": round(float(faulty["final_loss"]), 4),  # type: ignore[arg-type]
         "baseline_final_loss": round(float(baseline["final_loss"]), 4),  # type: ignore[arg-type]
         "baseline_identical_final_state": baseline["identical_final_state"],
-        "steps": args.steps, "kill_step": args.kill_step, "replicas": args.replicas,
+        "steps": faulty["steps"], "kill_step": args.kill_step, "replicas": args.replicas,
         "size": args.size, "fault": args.fault,
     }
     if ring_only is not None:

@@ -40,8 +40,8 @@ benchmark measures the rounds, not the election.
   (target: ``member_timeout`` + one step).
 
 Figures taken on a shared 2-core machine are noisy. ``shadow_bench.py`` reuses the
-hosts (``start_hosts``, ``round_once``, the ``kill`` command) with worker-sized
-addresses (``HostSpec.ranks``).
+hosts (``start_hosts``, ``round_once``, the ``kill`` and ``commit_failed``
+commands) with worker-sized addresses (``HostSpec.ranks``).
 """
 
 from __future__ import annotations
@@ -141,6 +141,12 @@ def host_main(conn: Any, spec: HostSpec) -> None:
             if agent is not None and spec.replica_id in args[0]:
                 agent.stop()
                 agent = None
+            conn.send("ok")
+        elif command == "commit_failed":
+            # Its step's all-reduce failed (a member of its quorum is gone), as a
+            # worker reports it: the next quorum takes a round.
+            if agent is not None and spec.replica_id in args[0]:
+                agent.report_commit_failure()
             conn.send("ok")
         elif command == "counters":
             conn.send((agent.stats()["sent"] if agent else 0, time.process_time()))

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from ft_launch.config import QuorumConfig
+
 from .helpers import load_benchmark
 
 
@@ -42,3 +44,22 @@ def test_shadow_mode_measures_rounds_failures_fanout_and_rings(tmp_path: Path) -
     assert summary["ring_rebuild_ms"]["3"] > 0
     assert {r["replicas"] for r in result["rows"]} == {3, 4}
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(180)
+def test_shadow_mode_measures_a_failure_on_a_standing_quorum(tmp_path: Path) -> None:
+    """Enough rounds for the leader to grant its quorum ahead (``quorum.standing``, the
+    default): the step after a crash may still be answered with the crashed member
+    in it; its all-reduce fails, the survivors report it, and the next quorum leaves
+    the member out, within the agents' own patience for a quorum. Before, the bench
+    required the first step after the crash to drop it and failed."""
+    shadow = load_benchmark("shadow_bench")
+    out = tmp_path / "shadow.json"
+    code = shadow.main(["--replicas", "5", "--ranks", "2", "--rounds", "15",
+                        "--failures", "2", "--rings", "", "--png", str(tmp_path / "c.png"),
+                        "--json", str(out)])
+    assert code == 0
+    summary = json.loads(out.read_text())["summary"]
+    config = QuorumConfig()
+    patience = config.join_timeout + config.member_timeout + 4 * config.election_timeout
+    assert 0 < summary["formation_after_failure_s_at_replicas"]["5"] < patience

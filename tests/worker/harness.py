@@ -79,15 +79,23 @@ def stall_bound(detection_s: float, events: list) -> float:
 
 def restart_and_end_once_caught_up(job: LocalJob, replica: int, ahead: int,
                                    timeout: float = 120) -> int:
-    """Start ``replica`` again once its kill took it down, wait for it to catch up, then
-    end the run (the example's ``end-step`` file) ``ahead`` steps past the newest commit;
+    """Start ``replica`` again once its kill took it down, then ``end_once_caught_up``;
     returns that end step. However slow the restart, the others still train then."""
     wait_until(lambda: job.current(replica).poll() is not None, timeout,
                f"replica {replica} to die")
     job.start(replica)
+    return end_once_caught_up(job, replica, ahead, timeout)
+
+
+def end_once_caught_up(job: LocalJob, replica: int, ahead: int, timeout: float = 120,
+                       at_least: int = 0) -> int:
+    """Wait for ``replica`` (started again, or resumed) to catch up, then end the run
+    (the example's ``end-step`` file) ``ahead`` steps past the newest commit, or at
+    step ``at_least`` if that is later; returns that end step. A run sized so stays
+    long enough to watch a recovery however slow the machine is."""
     wait_until(lambda: any(e.caught_up for e in job.committed(replica)), timeout,
                f"replica {replica} to catch up")
-    end = max(job.last_committed_step(r) for r in range(job.replicas)) + ahead
+    end = max(at_least, max(job.last_committed_step(r) for r in range(job.replicas)) + ahead)
     atomic_write_text(job.run_dir / "end-step", str(end), durable=False)
     return end
 
