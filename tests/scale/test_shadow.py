@@ -39,8 +39,12 @@ def test_shadow_mode_measures_rounds_failures_fanout_and_rings(tmp_path: Path) -
     summary = result["summary"]
     assert (summary["replicas"], summary["ranks"]) == (4, 16)
     assert 0 < summary["quorum_round_ms_100k_ranks"] < 10_000
-    # A crashed member is waited for until the join window closes (2 s by default).
-    assert 1.5 < summary["formation_after_failure_s_at_replicas"]["4"] < 30
+    # Within the agents' own patience for a quorum (the join window, then a member's
+    # silence, then elections): no lower bound, the survivors' report of the broken
+    # step may start the round that drops it before the join window would close.
+    config = QuorumConfig()
+    patience = config.join_timeout + config.member_timeout + 4 * config.election_timeout
+    assert 0 < summary["formation_after_failure_s_at_replicas"]["4"] < patience
     assert summary["ring_rebuild_ms"]["3"] > 0
     assert {r["replicas"] for r in result["rows"]} == {3, 4}
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

@@ -33,7 +33,9 @@ def captured(tmp_path):
     job = loopback_job(tmp_path / "run", replicas=1, steps=100_000, ranks=RANKS)
     try:
         job.start_all()
-        wait_until(lambda: job.last_committed_step(0) >= 3, patience(120),
+        # step 3's snapshot is taken when step 4 starts and is complete before step 4
+        # commits (its optimizer step waits for the copy)
+        wait_until(lambda: job.last_committed_step(0) >= 4, patience(120),
                    "the replica to train a few steps")
         state_dir = tmp_path / "run" / "replay" / "t" / "state"
         source, step = capture_state(job.run_dir, "local", job.secret, [0], RANKS,
