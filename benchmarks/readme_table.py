@@ -55,13 +55,14 @@ ROWS = (
                                "(geometric mean over the sizes)"),
     Row("quorum (`launcher/quorum/`): leader-elected, HMAC-authenticated, witness voters, "
         "standing quorums", "done", "quorum.json", _quorum),
-    # no result file yet (benchmarks/ckpt_bench.py, hsdp_bench.py): no figure until one
-    # of their runs writes it here
+    # no result file yet (benchmarks/ckpt_bench.py): no figure until a run writes one
     Row("checkpoints (`ckpt/`): dual buffer, peer backup, HTTP catch-up, HDF5, restore chain",
         "done (`benchmarks/ckpt_bench.py`)"),
     Row("FT-HSDP worker runtime (`launcher/worker/`): per-step protocol, exactly-once data, "
         "FSDP2 / DDP / plain replicas", "done; FSDP2 on CUDA passed `tests/gpu/run.sh` on an "
-        "H200 (2026-12-04) (`benchmarks/hsdp_bench.py`: against native HSDP and torchft)"),
+        "H200 (2026-12-04)", "hsdp.json",
+        lambda s: f"a step takes {s['step_time_ratio_vs_native_hsdp']:.2f}x native HSDP's "
+                  "(median over the run's pairs)"),
     Row("a replica hung mid all-reduce", "done", "hang.json",
         lambda s: f"the others stall {s['max_healthy_stall_s']:.1f} s, not the ring timeout "
                   f"({s['ring_timeout_only_stall_s']:.0f} s)"),
