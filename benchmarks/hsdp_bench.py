@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 
 from hsdp import core
 from hsdp.core import ARMS, FTL_ARMS, Arm, RunResult, SizePlan
-from record import write_json
+from record import commit, write_json
 
 log = logging.getLogger("hsdp_bench")
 
@@ -236,14 +236,6 @@ def run_record(run: RunResult) -> dict[str, Any]:
     return record
 
 
-def git_state() -> str:
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True,
-                              timeout=30, check=False).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain")
-                                                   else "")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level="INFO", stream=sys.stderr,
@@ -299,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
                   "arms": [a.value for a in args.arms], "quick": args.quick,
                   "torchft_env": torchft.describe() if torchft is not None else None,
-                  "code": git_state(),
+                  "code": commit(),
                   "work_dir": str(work_dir) if work_dir.exists() else None}}
     text = json.dumps(output, indent=2, default=str)
     print(core.table(per_size, summary), file=sys.stderr)

@@ -35,16 +35,20 @@ def _cpu_model() -> str:
     return "unknown CPU"
 
 
+def commit() -> str:
+    """The checkout's short commit, ``(dirty)`` when it has changes."""
+    return _git("rev-parse", "--short", "HEAD") + (" (dirty)" if _git("status", "--porcelain")
+                                                    else "")
+
+
 def recorded(argv: list[str] | None = None) -> dict[str, str]:
     """How this process's figures were made: command, date, machine, commit."""
     script = Path(sys.argv[0]).resolve()
     shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script
     args = sys.argv[1:] if argv is None else argv
-    commit = _git("rev-parse", "--short", "HEAD")
     return {"command": shlex.join(["python3", str(shown), *args]),
             "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
-            "machine": f"{os.cpu_count()} CPUs ({_cpu_model()})",
-            "commit": commit + (" (dirty)" if _git("status", "--porcelain") else "")}
+            "machine": f"{os.cpu_count()} CPUs ({_cpu_model()})", "commit": commit()}
 
 
 def write_json(path: Path | str, payload: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import logging
 import os
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
@@ -64,16 +64,19 @@ class SlurmCli:
         return self._run(argv).stdout
 
     def _run(self, argv: Sequence[str], cwd: str | None = None, wait_forever: bool = False,
-             longer_s: float = 0.0) -> subprocess.CompletedProcess[str]:
+             longer_s: float = 0.0, on_timeout: Callable[[str], None] | None = None
+             ) -> subprocess.CompletedProcess[str]:
         """Bounded by ``command_timeout`` (plus ``longer_s``, the time the command itself
         may take by design), unless ``wait_forever`` (salloc in the queue: as long as it
-        takes, as sbatch's job would wait)."""
+        takes, as sbatch's job would wait); ``on_timeout`` gets what the killed command
+        had written to stderr."""
         limit = None if wait_forever else self.command_timeout + longer_s
         try:
             result = subprocess.run([*self.prefix, *argv], capture_output=True, text=True,
                                     check=False, timeout=limit, env=self.env, cwd=cwd)
         except subprocess.TimeoutExpired as expired:
-            self._cancel_abandoned(argv, expired.stderr)
+            if on_timeout is not None:     # bytes, even in text mode
+                on_timeout((expired.stderr or b"").decode(errors="replace"))
             raise SlurmCommandError(f"'{' '.join(argv)}' did not answer within {limit:g} s",
                                     hint="slurmctld may be overloaded; retry") from None
         except FileNotFoundError:
@@ -84,11 +87,10 @@ class SlurmCli:
                                     f"{result.stderr.strip() or result.stdout.strip()}")
         return result
 
-    def _cancel_abandoned(self, argv: Sequence[str], stderr: bytes | str | None) -> None:
+    def _cancel_pending(self, salloc_stderr: str) -> None:
         """A salloc killed while its request waits in the queue leaves the job pending:
         it would take its nodes later, for nobody. Cancel it (salloc names it first)."""
-        text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or ""
-        job_id = parse.parse_pending_job(text) if argv[:1] == ["salloc"] else None
+        job_id = parse.parse_pending_job(salloc_stderr)
         if job_id is None:
             return
         try:
@@ -155,7 +157,8 @@ class SlurmCli:
         result = self._run(commands.allocate_argv(nodes, name=name, reservation=reservation,
                                                   nodelist=nodelist, expand=expand,
                                                   immediate_s=immediate_s, extra=extra),
-                           wait_forever=wait_forever, longer_s=immediate_s or 0)
+                           wait_forever=wait_forever, longer_s=immediate_s or 0,
+                           on_timeout=self._cancel_pending)
         job_id = parse.parse_granted_job(result.stderr + result.stdout)
         if job_id is None:
             raise SlurmCommandError(f"salloc granted no allocation: {result.stderr.strip()}")

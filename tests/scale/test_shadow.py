@@ -27,24 +27,31 @@ def test_a_rank_decides_its_step_from_the_view_it_is_sent() -> None:
     assert times["plan_step_ms"] > 0 and times["unpickle_ms"] > 0
 
 
+def quorum_patience() -> float:
+    """The agents' own patience for a quorum: the join window, a member's silence, elections."""
+    config = QuorumConfig()
+    return config.join_timeout + config.member_timeout + 4 * config.election_timeout
+
+
+def run_shadow(tmp_path: Path, *args: str) -> dict:
+    """shadow_bench with ``args``, required to succeed; what it wrote."""
+    out = tmp_path / "shadow.json"
+    code = load_benchmark("shadow_bench").main(
+        [*args, "--png", str(tmp_path / "c.png"), "--json", str(out)])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
 @pytest.mark.timeout(180)
 def test_shadow_mode_measures_rounds_failures_fanout_and_rings(tmp_path: Path) -> None:
-    shadow = load_benchmark("shadow_bench")
-    out = tmp_path / "shadow.json"
-    code = shadow.main(["--replicas", "3,4", "--ranks", "4", "--rounds", "2",
-                        "--failures", "1", "--rings", "3", "--png", str(tmp_path / "c.png"),
-                        "--json", str(out)])
-    assert code == 0
-    result = json.loads(out.read_text())
+    result = run_shadow(tmp_path, "--replicas", "3,4", "--ranks", "4", "--rounds", "2",
+                        "--failures", "1", "--rings", "3")
     summary = result["summary"]
     assert (summary["replicas"], summary["ranks"]) == (4, 16)
     assert 0 < summary["quorum_round_ms_100k_ranks"] < 10_000
-    # Within the agents' own patience for a quorum (the join window, then a member's
-    # silence, then elections): no lower bound, the survivors' report of the broken
-    # step may start the round that drops it before the join window would close.
-    config = QuorumConfig()
-    patience = config.join_timeout + config.member_timeout + 4 * config.election_timeout
-    assert 0 < summary["formation_after_failure_s_at_replicas"]["4"] < patience
+    # No lower bound: the survivors' report of the broken step may start the round
+    # that drops it before the join window would close.
+    assert 0 < summary["formation_after_failure_s_at_replicas"]["4"] < quorum_patience()
     assert summary["ring_rebuild_ms"]["3"] > 0
     assert {r["replicas"] for r in result["rows"]} == {3, 4}
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
@@ -57,13 +64,6 @@ def test_shadow_mode_measures_a_failure_on_a_standing_quorum(tmp_path: Path) -> 
     in it; its all-reduce fails, the survivors report it, and the next quorum leaves
     the member out, within the agents' own patience for a quorum. Before, the bench
     required the first step after the crash to drop it and failed."""
-    shadow = load_benchmark("shadow_bench")
-    out = tmp_path / "shadow.json"
-    code = shadow.main(["--replicas", "5", "--ranks", "2", "--rounds", "15",
-                        "--failures", "2", "--rings", "", "--png", str(tmp_path / "c.png"),
-                        "--json", str(out)])
-    assert code == 0
-    summary = json.loads(out.read_text())["summary"]
-    config = QuorumConfig()
-    patience = config.join_timeout + config.member_timeout + 4 * config.election_timeout
-    assert 0 < summary["formation_after_failure_s_at_replicas"]["5"] < patience
+    summary = run_shadow(tmp_path, "--replicas", "5", "--ranks", "2", "--rounds", "15",
+                         "--failures", "2", "--rings", "")["summary"]
+    assert 0 < summary["formation_after_failure_s_at_replicas"]["5"] < quorum_patience()
